@@ -15,8 +15,6 @@ ACTION_MODES = ("tags", "plain")
 MAX_ACTION_CHARS = 200
 INVALID_TAIL_CHARS = 30  # released: memory keeps the last 30 characters of an invalid output
 
-_ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL)
-_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 _TAGS = re.compile(r"</?(?:action|think)>")
 _SPACES = re.compile(r"\s+")
@@ -52,15 +50,27 @@ def parse_action(text: str, mode: str = "tags", *, require_think: bool = True, r
                 return None
             answer = text[end + len("</think>"):]
         else:
-            answer = _THINK_BLOCK.sub(" ", text)
-        match = _ACTION.search(answer)
-        if match is None:
+            answer = _drop_think_blocks(text)
+        # str.find, not a lazy regex: on a long output repeating an unclosed tag the regex is quadratic (seconds).
+        start = answer.find("<action>")
+        end = answer.find("</action>", start + len("<action>")) if start != -1 else -1
+        if end == -1:
             return None
-        candidate = match.group(1)
+        candidate = answer[start + len("<action>"):end]
     action = _SPACES.sub(" ", candidate).strip().lower()
     if not action or len(action) > max_chars or _TAGS.search(action):
         return None
     return action
+
+
+def _drop_think_blocks(text: str) -> str:
+    """`text` with every closed `<think>...</think>` block replaced by a space."""
+    parts, position = [], 0
+    while ((start := text.find("<think>", position)) != -1
+           and (end := text.find("</think>", start + len("<think>"))) != -1):
+        parts += [text[position:start], " "]
+        position = end + len("</think>")
+    return "".join(parts) + text[position:]
 
 
 def invalid_tail(text: str, chars: int = INVALID_TAIL_CHARS) -> str:

@@ -10,6 +10,7 @@ Three sections, all top-level keys of the YAML: `EnvArguments` (below), `HGPOCon
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 import time
@@ -57,14 +58,25 @@ class ConfigError(ValueError):
     """A configuration a run cannot start with; the message names the field and what was expected."""
 
 
+class _Parser(TrlParser):
+    def error(self, message: str):
+        """argparse would print the whole usage (hundreds of fields) and exit: raise the one line instead."""
+        raise ConfigError(f"{message} (python train.py --help lists every field)")
+
+
 def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, ModelConfig]:
     """Parse YAML + overrides; every problem is a ConfigError that names the field, raised before any model
     is loaded."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sections = (EnvArguments, HGPOConfig, ModelConfig)
     if "--config" in argv:
+        if argv.index("--config") + 1 == len(argv):
+            raise ConfigError("--config needs the path of a YAML file")
         check_yaml_types(argv[argv.index("--config") + 1], sections)
-    parser = TrlParser(sections, prog="train.py")
+    # No abbreviations: a misspelt option fails as a misspelt YAML key does, rather than setting a neighbour.
+    parser = _Parser(sections, prog="train.py", allow_abbrev=False)
+    options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
+    check_known([a.split("=")[0] for a in argv if a.startswith("--")], options, "the command line")
     try:
         env_args, args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, TypeError) as err:
@@ -74,6 +86,17 @@ def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, Mode
             env_args.task_kwargs = json.loads(env_args.task_kwargs)
         except json.JSONDecodeError as err:
             raise ConfigError(f"EnvArguments.task_kwargs must be a mapping (JSON on the command line): {err}") from None
+    if env_args.task_kwargs is not None and not isinstance(env_args.task_kwargs, dict):
+        raise ConfigError(f"EnvArguments.task_kwargs must be a mapping, got {env_args.task_kwargs!r}")
+    for name in ("num_train_tasks", "num_eval_tasks", "warmstart_batch_size"):
+        if (value := getattr(env_args, name)) is not None and value < 1:
+            raise ConfigError(f"EnvArguments.{name} must be an integer >= 1, got {value!r}")
+    # A data folder that does not exist fails here, not after the model has loaded.
+    for section, kwargs in (("HGPOConfig.env_kwargs", args.env_kwargs), ("EnvArguments.task_kwargs", env_args.task_kwargs)):
+        data_path = (kwargs or {}).get("data_path")
+        if data_path is not None and not Path(str(data_path)).expanduser().exists():
+            raise ConfigError(f"{section}.data_path: {data_path} does not exist; expected the environment's data "
+                              "folder or file (docs/environments.md says what each environment reads)")
     if args.env_name not in registered_envs():
         raise ConfigError(f"HGPOConfig.env_name: unknown environment {args.env_name!r}; "
                           f"registered: {registered_envs()}")
@@ -91,6 +114,10 @@ def check_yaml_types(path: str, sections: tuple[type, ...]) -> None:
         raise ConfigError(f"cannot read the config file {path}: {err}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"the config file {path} must hold a YAML mapping of field: value")
+    if not isinstance(config.get("env", {}), dict):
+        raise ConfigError(f"env in {path} must be a mapping of environment variables, got {config['env']!r}")
+    known = {f.name for section in sections for f in dataclasses.fields(section)} | {"env"}  # env: variables
+    check_known([str(key) for key in config], known, f"config file {path}")
     for section in sections:
         hints = typing.get_type_hints(section)
         for f in dataclasses.fields(section):
@@ -98,8 +125,18 @@ def check_yaml_types(path: str, sections: tuple[type, ...]) -> None:
                 continue
             expected = _accepted(hints[f.name])
             if expected and not isinstance(config[f.name], expected):
-                names = ", ".join(sorted({t.__name__ for t in expected}))
+                names = ", ".join(sorted({"None" if t is type(None) else t.__name__ for t in expected}))
                 raise ConfigError(f"{section.__name__}.{f.name} must be {names}, got {config[f.name]!r} ({path})")
+
+
+def check_known(names: list[str], known: set[str], where: str) -> None:
+    """A ConfigError naming every unknown key of `where`, each with the closest known one."""
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        named = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, 1))
+                 else name for name in unknown]
+        raise ConfigError(f"Unknown arguments from {where}: {', '.join(named)}; every key must be a field "
+                          "(python train.py --help lists them)")
 
 
 def _accepted(hint: Any) -> tuple[type, ...]:

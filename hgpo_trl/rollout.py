@@ -19,7 +19,7 @@ import numpy as np
 from envs.pool import EnvBatch, StepResult
 from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, invalid_tail, parse_action
 from hgpo_trl.advantages import StepBatch
-from hgpo_trl.memory import Memory, build_prompt
+from hgpo_trl.memory import FittedPrompt, Memory, build_prompt, fit_prompt
 
 INVALID_ACTIONS = ("noop", "end_episode")
 
@@ -52,6 +52,8 @@ class StepRecord:
     reward: float
     shown_history: int  # (observation, action) pairs the prompt showed
     history_cut: bool = False  # the prompt dropped history to fit the context: HGPO caps the step's levels
+    observation_cut: int = 0  # characters cut from the middle of the observation to fit the context
+    over_budget: bool = False  # the prompt is over max_prompt_tokens even with nothing left to cut
 
     @property
     def valid(self) -> bool:
@@ -82,6 +84,7 @@ class RolloutSettings:
     invalid_action: str = "noop"
     admissible_only: bool = False  # an action outside the admissible list counts as invalid
     format_instruction: str | None = None  # None: the action mode's default instruction
+    max_prompt_tokens: int | None = None  # prompt budget (memory.fit_prompt); needs run_rollout's count_tokens
 
     def __post_init__(self) -> None:
         if self.action_mode not in ACTION_MODES:
@@ -94,6 +97,8 @@ class RolloutSettings:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.history_length < 0:
             raise ValueError(f"history_length must be >= 0, got {self.history_length}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be None or >= 1, got {self.max_prompt_tokens}")
 
 
 @dataclass
@@ -119,10 +124,18 @@ class Rollout:
             window=np.array([r.shown_history if r.history_cut else r.step for r in s], dtype=np.int64),
         )
 
+    def prompt_stats(self) -> dict[str, float]:
+        """Shares of the steps whose prompt was fitted to max_prompt_tokens (the trainer logs them)."""
+        count = max(len(self.steps), 1)
+        return {"prompt/history_cut": sum(r.history_cut for r in self.steps) / count,
+                "prompt/observation_cut": sum(r.observation_cut > 0 for r in self.steps) / count,
+                "prompt/over_budget": sum(r.over_budget for r in self.steps) / count}
+
 
 def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: int, policy: Policy,
                 settings: RolloutSettings, *, keep_going: Callable[[int], bool] | None = None,
-                on_turn: Callable[[int, int], None] | None = None) -> Rollout:
+                on_turn: Callable[[int, int], None] | None = None,
+                count_tokens: Callable[[str], int] | None = None) -> Rollout:
     """Play every task `group_size` times (environment g * group_size + j plays tasks[g]) until all episodes end.
 
     `envs` holds at least len(tasks) * group_size environments (in this process or in worker processes);
@@ -130,8 +143,11 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
     local number of live episodes; under a collective generation backend it must agree across processes (the
     trainer all-reduces it), and a turn with no local live episode still calls the policy with an empty list.
     An environment fault (an exception, a hang, a dead worker) aborts its episode: it is marked `fault` and
-    its steps leave the training batch. `on_turn(turn, live)` reports progress.
+    its steps leave the training batch. `on_turn(turn, live)` reports progress. With
+    `settings.max_prompt_tokens`, every prompt is fitted to it (`memory.fit_prompt`) as `count_tokens` counts.
     """
+    if settings.max_prompt_tokens is not None and count_tokens is None:
+        raise ValueError("RolloutSettings.max_prompt_tokens needs count_tokens (the policy's prompt token count)")
     count = len(tasks) * group_size
     if count > len(envs):
         raise ValueError(f"need {count} environments for {len(tasks)} tasks x {group_size} rollouts, "
@@ -158,13 +174,18 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
             on_turn(turn, live)
         active = [i for i, finished in enumerate(done) if not finished]
         admissible = {i: [a.strip().lower() for a in infos[i].get("admissible_actions", [])] for i in active}
-        prompts, shown = [], []
+        prompts, fitted = [], []
         for i in active:
-            text, pairs = build_prompt(partial(envs.render_prompt, i), task_texts[i], memories[i], observations[i],
-                                       infos[i].get("admissible_actions", []), episodes[i].steps,
-                                       settings.history_length, settings.format_instruction)
-            prompts.append(text)
-            shown.append(pairs)
+            arguments = (partial(envs.render_prompt, i), task_texts[i], memories[i], observations[i],
+                         infos[i].get("admissible_actions", []), episodes[i].steps, settings.history_length,
+                         settings.format_instruction)
+            if settings.max_prompt_tokens is None:
+                text, pairs = build_prompt(*arguments)
+                fit = FittedPrompt(text, pairs, 0, 0, 0, False)  # no budget: nothing counted, nothing cut
+            else:
+                fit = fit_prompt(*arguments, count_tokens, settings.max_prompt_tokens)
+            prompts.append(fit.text)
+            fitted.append(fit)
         tick = time.perf_counter()
         completions = policy(prompts)
         generation_seconds += time.perf_counter() - tick
@@ -181,14 +202,16 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
         tick = time.perf_counter()
         results = envs.step(to_step) if to_step else {}
         env_seconds += time.perf_counter() - tick
-        for i, prompt, pairs, completion in zip(active, prompts, shown, completions, strict=True):
+        for i, fit, completion in zip(active, fitted, completions, strict=True):
             episode, action = episodes[i], actions[i]
             result = results.get(i)
             if result is None:  # an invalid output under end_episode: the episode ends as failed
                 result = StepResult(observations[i], 0.0, True, False, infos[i])
             records.append(StepRecord(group=episode.group, traj=i, step=episode.steps, observation=observations[i],
-                                      prompt=prompt, completion=completion, action=action,
-                                      reward=float(result.reward), shown_history=pairs))
+                                      prompt=fit.text, completion=completion, action=action,
+                                      reward=float(result.reward), shown_history=fit.shown_history,
+                                      history_cut=fit.history_dropped > 0, observation_cut=fit.observation_cut,
+                                      over_budget=fit.over_budget))
             memories[i].add(observations[i], action if action is not None else invalid_tail(completion.text))
             episode.steps += 1
             episode.total_reward += float(result.reward)

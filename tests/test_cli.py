@@ -44,7 +44,7 @@ def test_bad_configs_name_the_field(tmp_path, text, message):
 def test_command_line_overrides_the_yaml_and_types_are_checked(tmp_path):
     _, args, _ = parse(["--config", write(tmp_path, "learning_rate: 0.1\n"), "--learning_rate", "0.5"])
     assert args.learning_rate == 0.5
-    with pytest.raises(SystemExit):  # argparse names the field: "argument --learning_rate: invalid float value"
+    with pytest.raises(ConfigError, match="argument --learning_rate.*: invalid float value: 'fast'"):
         parse(["--config", write(tmp_path, ""), "--learning_rate", "fast"])
 
 
@@ -97,3 +97,39 @@ def test_configuration_errors_exit_with_a_message(tmp_path, capsys):
         main(["--config", write(tmp_path, "estimator: ppo\n")])
     assert exit_info.value.code == 2
     assert "configuration error: HGPOConfig.estimator must be one of" in capsys.readouterr().err
+
+
+def test_resume_from_checkpoint_continues_the_run(tmp_path):
+    import json
+
+    from hgpo_trl.cli import main
+
+    base = """env_name: keydoor
+action_mode: plain
+num_eval_tasks: 2
+warmstart_steps: 2
+warmstart_batch_size: 8
+tiny_hidden_size: 32
+tiny_num_layers: 1
+tiny_num_heads: 2
+tasks_per_device: 2
+num_generations: 4
+per_device_train_batch_size: 16
+max_completion_length: 4
+max_env_steps: 5
+logging_steps: 1
+save_strategy: steps
+save_steps: 1
+plots: false
+disable_tqdm: true
+"""
+    main(["--config", write(tmp_path, base + "train_iterations: 2\n")])
+    out = tmp_path / "out"
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "model.safetensors").exists()
+    main(["--config", write(tmp_path, base + "train_iterations: 4\n"), "--resume_from_checkpoint", str(checkpoint)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 4 and (out / "checkpoint-4").exists()
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    # The resumed run logged iterations 3 and 4 on top of the checkpoint's history of 1 and 2.
+    assert [h["step"] for h in state["log_history"] if "env/success_rate" in h] == [1, 2, 3, 4]
