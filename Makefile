@@ -36,7 +36,7 @@ test: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python -m pytest -q
 
 demo: $(VENV)/.installed-$(DEMO_EXTRAS)
-	$(BIN)/python benchmarks/advantages.py
+	$(BIN)/python train.py --config configs/quickstart.yaml
 
 bench: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python benchmarks/advantages.py

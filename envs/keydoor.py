@@ -1,7 +1,7 @@
 """Keydoor: a tiny deterministic text game whose observations are aliased.
 
-The agent enters one of two rooms and takes the key there, walks to the hall and on to the vault, and
-opens a door. The hall and vault observations read the same whichever key it took, yet the right door is
+The agent takes one of two keys (each lies in a room), walks to the hall and on to the vault, and opens a
+door. The hall and vault observations read the same whichever key it took, yet the right door is
 the colour of the key held, which shows only in the history (the room observation two steps back). So one
 observation text is worth `gold_reward` after one path and `coin_reward` after the other: the case that
 HGPO's history-deep groups separate and GiGPO's same-observation groups mix.
@@ -85,9 +85,6 @@ class KeyDoorTask:
     def sentence(self) -> str:
         return f"Find the gold. It is behind the {self.gold} door."
 
-    def key_in(self, room: str) -> str:
-        return self.color1 if room == self.room1 else self.color2
-
 
 _ALL_TASKS = tuple(KeyDoorTask(r1, r2, c1, c2, gold)
                    for r1, r2 in itertools.permutations(ROOMS, 2)
@@ -113,7 +110,7 @@ def initial_observation(task: KeyDoorTask) -> str:
 def admissible_actions(task: KeyDoorTask, position: str) -> tuple[str, ...]:
     """The actions accepted at `position` (none at the end); the key held never changes them."""
     if position == ENTRANCE:
-        return (f"go to {task.room1}", f"go to {task.room2}")
+        return (f"take {task.color1} key", f"take {task.color2} key")
     if position in (task.room1, task.room2):
         return ("go to hall",)
     if position == HALL:
@@ -137,8 +134,8 @@ def transition(task: KeyDoorTask, position: str, key: str | None, action: str | 
     if action not in admissible_actions(task, position):
         return Transition(position, key, NOTHING, 0.0, False, False)
     if position == ENTRANCE:
-        room = action.removeprefix("go to ")
-        color = task.key_in(room)
+        color = action.split()[1]
+        room = task.room1 if color == task.color1 else task.room2
         return Transition(room, color, f"You are in the {room}. You take the {color} key.", 0.0, False, False)
     if position == HALL:
         return Transition(VAULT, key, f"You are at the vault. There is a {task.color1} door "
@@ -202,13 +199,14 @@ class KeyDoorEnv:
 
     def render_prompt(self, task: str, history: Sequence[tuple[str, str]], observation: str,
                       admissible: Sequence[str], step: int) -> str:
-        """Few, regular words for small models: `>` marks what the game said, `<` what the agent did."""
-        lines = [f"Task: {task}", f"Step {step}."]
+        """Few, regular words for small models: `>` marks what the game said, `<` what the agent did. The task
+        comes last, next to the answer: a small model finds the goal's colour a fixed few tokens back."""
+        lines = [f"Step {step}."]
         if history:
             lines.append("History:")
             for past_observation, past_action in history:
                 lines += [f"> {past_observation}", f"< {past_action}"]
-        lines += [f"Now: {observation}", f"Actions: {' | '.join(admissible)}", "Answer:"]
+        lines += [f"Now: {observation}", f"Actions: {' | '.join(admissible)}", f"Task: {task}", "Answer:"]
         return "\n".join(lines)
 
     def close(self) -> None:

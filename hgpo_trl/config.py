@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -66,6 +68,11 @@ class HGPOConfig(GRPOConfig):
     format_instruction: str | None = field(
         default=None, metadata={"help": "Answer-format instruction appended to prompts (None: the mode's default, "
                                         "or none when the environment's template has its own)."})
+    max_prompt_tokens: int | None = field(
+        default=None, metadata={"help": "Token budget of a step's prompt: a longer prompt drops its oldest history "
+                                        "pairs, then shortens the observation in the middle (metrics prompt/*); "
+                                        "the task, admissible actions and format instruction are never cut. "
+                                        "None: no limit."})
 
     # Advantages
     estimator: str = field(default="hgpo", metadata={"help": "Advantage estimator: grpo, gigpo, hgpo, progpo or "
@@ -89,11 +96,26 @@ class HGPOConfig(GRPOConfig):
     eval_max_tasks: int | None = field(
         default=None, metadata={"help": "Evaluate on at most this many tasks of eval_dataset."})
 
+    # Reporting: TensorBoard by default (a dependency), unlike TrainingArguments' "none". The annotation is
+    # TrainingArguments' own: HfArgumentParser reads a `None | str | list[str]` union only in this order.
+    report_to: None | str | list[str] = field(  # noqa: RUF036
+        default="tensorboard", metadata={"help": "Where metrics go: 'tensorboard' (default; logs under "
+                                                 "output_dir/runs), 'wandb', 'trackio', a list of them, or 'none'."})
+
     _VALID_DICT_FIELDS: ClassVar[list[str]] = [*GRPOConfig._VALID_DICT_FIELDS, "env_kwargs"]
 
     def __post_init__(self) -> None:
         self._check_fields()
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as err:
+            if "divisible by num_generations" not in str(err):
+                raise
+            # TRL's check names its derived generation_batch_size: say which of our fields to change.
+            raise ValueError(
+                f"{err} (TRL's check: per_device_train_batch_size x processes x steps_per_generation step samples "
+                f"per iteration must be a multiple of num_generations ({self.num_generations}); set "
+                "per_device_train_batch_size or steps_per_generation accordingly)") from None
         if self.train_iterations is not None:
             per_iteration = self.steps_per_generation * self.num_iterations
             if per_iteration % self.gradient_accumulation_steps:
@@ -118,14 +140,40 @@ class HGPOConfig(GRPOConfig):
             ("episode_stats", self.episode_stats in EPISODE_STATS, f"one of {EPISODE_STATS}"),
             ("advantage_norm", self.advantage_norm in NORMS, f"one of {NORMS}"),
             ("eval_temperature", self.eval_temperature >= 0.0, ">= 0"),
+            # TRL divides the logits by it, and at 0 the G rollouts of a task would all be the same.
+            ("temperature", self.temperature > 0.0, "> 0 for training rollouts (eval_temperature may be 0)"),
+            ("learning_rate", self.learning_rate >= 0.0, ">= 0"),
+            ("invalid_penalty", self.invalid_penalty >= 0.0, ">= 0 (a penalty, subtracted from the return)"),
+            ("max_completion_length", self.max_completion_length is None or self.max_completion_length >= 1,
+             "None or an integer >= 1"),
+            ("env_workers", self.env_workers is None or self.env_workers >= 0, "None or an integer >= 0"),
+            ("env_step_timeout", self.env_step_timeout is None or self.env_step_timeout > 0, "None or > 0 seconds"),
+            ("env_reset_timeout", self.env_reset_timeout is None or self.env_reset_timeout > 0,
+             "None or > 0 seconds"),
+            ("eval_max_tasks", self.eval_max_tasks is None or self.eval_max_tasks >= 1, "None or an integer >= 1"),
+            ("max_prompt_tokens", self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
+             "None or an integer >= 1"),
             ("num_generations", self.num_generations is not None and self.num_generations >= 2,
              "an integer >= 2 (rollouts per task)"),
         ]
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"HGPOConfig.{name} must be {expected}, got {getattr(self, name)!r}")
-        if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict | str):
+        if isinstance(self.env_kwargs, str):  # TRL decodes only strings that start with "{", and names no field
+            try:
+                self.env_kwargs = json.loads(self.env_kwargs)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"HGPOConfig.env_kwargs must be a mapping (JSON on the command line, e.g. "
+                                 f"'{{\"max_steps\": 30}}'): {err}") from None
+        if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
             raise ValueError(f"HGPOConfig.env_kwargs must be a dict, got {type(self.env_kwargs).__name__}")
+        # Optional packages: a clear error now rather than an import failure after the model has loaded.
+        extras = [("use_vllm", self.use_vllm, "vllm"), ("deepspeed", self.deepspeed, "deepspeed"),
+                  ("env_name", self.env_name == "alfworld", "alfworld")]
+        for name, wanted, package in extras:
+            if wanted and importlib.util.find_spec(package) is None:
+                raise ValueError(f"HGPOConfig.{name}={getattr(self, name)!r} needs the {package} package, which is "
+                                 f'not installed: pip install "hgpo-trl[{package}]"')
         if self.hierarchy_depth is not None and self.hierarchy_depth > self.history_length:
             warnings.warn(
                 f"hierarchy_depth ({self.hierarchy_depth}) > history_length ({self.history_length}): HGPO's deepest "
@@ -141,6 +189,7 @@ class HGPOConfig(GRPOConfig):
             history_length=self.history_length, max_steps=self.max_env_steps, action_mode=self.action_mode,
             require_think=self.require_think, reject_cjk=self.reject_cjk, invalid_action=self.invalid_action,
             admissible_only=self.admissible_only,
+            max_prompt_tokens=self.max_prompt_tokens,
             format_instruction="" if self.format_instruction is None and prompt_has_format(self.env_name)
             else self.format_instruction)
 

@@ -22,6 +22,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from datasets import Dataset
+from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
@@ -195,9 +196,17 @@ class HGPOTrainer(GRPOTrainer):
         first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.size(1))
         return [row[: end + 1].tolist() for row, end in zip(completions, first_eos.tolist(), strict=True)], None
 
-    def _play(self, tasks: list[Mapping[str, Any]], group_size: int, temperature: float) -> Rollout:
+    def _play(self, tasks: list[Mapping[str, Any]], group_size: int, temperature: float,
+              description: str = "rollout") -> Rollout:
         envs = self._environments()
-        with self._generation_backend(temperature) as generate:
+        bar = tqdm(total=self.args.max_env_steps, desc=description, unit="turn", leave=False, dynamic_ncols=True,
+                   disable=self.args.disable_tqdm or not self.accelerator.is_main_process)
+
+        def on_turn(turn: int, live: int) -> None:
+            bar.update(turn + 1 - bar.n)
+            bar.set_postfix(live_episodes=live, refresh=False)
+
+        with self._generation_backend(temperature) as generate, bar:
 
             def policy(prompts: list[str]) -> list[Completion]:
                 prompt_ids = [self._encode_prompt(p) for p in prompts]
@@ -216,7 +225,8 @@ class HGPOTrainer(GRPOTrainer):
                         for i, (text, p, c) in enumerate(zip(texts, prompt_ids, completion_ids, strict=True))]
 
             return run_rollout(envs, tasks, group_size, policy, self.args.rollout_settings(),
-                               keep_going=self._any_live)
+                               keep_going=self._any_live, on_turn=on_turn,
+                               count_tokens=lambda text: len(self._encode_prompt(text)))
 
     # ------------------------------------------------------------------ training batch
     def training_step(self, model, inputs, num_items_in_batch):
@@ -340,6 +350,7 @@ class HGPOTrainer(GRPOTrainer):
             "time/advantages": advantage_seconds,
             "time/training": self._training_seconds,
             "throughput/env_steps_per_second": len(steps) / max(rollout.seconds, 1e-9),
+            **rollout.prompt_stats(),
         }
         scores = [e.score for e in episodes if e.score is not None]
         if scores:  # environments that grade outcomes (WebShop's purchase score)
@@ -380,7 +391,8 @@ class HGPOTrainer(GRPOTrainer):
         self.model.eval()
         try:
             episodes = [e for c in range(chunks)
-                        for e in self._play(rows[c * chunk:(c + 1) * chunk], 1, self.args.eval_temperature).episodes]
+                        for e in self._play(rows[c * chunk:(c + 1) * chunk], 1, self.args.eval_temperature,
+                                            f"evaluation {c + 1}/{chunks}").episodes]
             local = torch.tensor([sum(e.won for e in episodes), sum(e.total_reward for e in episodes),
                                   sum(e.steps for e in episodes), len(episodes),
                                   sum(e.score or 0.0 for e in episodes), sum(e.score is not None for e in episodes)],

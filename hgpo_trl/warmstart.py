@@ -2,8 +2,11 @@
 environment for building a tiny tokenizer.
 
 A model trained from scratch emits no valid action, so RL has no signal: 99-100% of a random tiny model's
-outputs are invalid. A short SFT on (prompt, random admissible action) pairs teaches the answer format and
-nothing about which action is good (the actions are uniform), so the RL run still starts near chance.
+outputs are invalid. A short SFT on the prompts of random episodes teaches the answer format and nothing about
+which action is good, so the RL run still starts near chance. Every prompt is paired with EVERY admissible
+action, not one sampled action: with one, a small model memorises an arbitrary choice per prompt and starts RL
+confident and wrong, its G rollouts of a task all alike (no exploration, no advantage signal); with all, the
+SFT optimum is the uniform policy over admissible actions.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ from hgpo_trl.memory import Memory, build_prompt
 
 
 def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int, *, history_length: int,
-                max_steps: int, format_instruction: str = "", seed: int = 0) -> list[tuple[str, str, str]]:
-    """(prompt, uniformly random admissible action, next observation) for every step of `episodes` random
-    episodes over `tasks`, with the prompts the rollout would build."""
+                max_steps: int, format_instruction: str = "", seed: int = 0) -> list[tuple[str, list[str], str]]:
+    """(prompt, admissible actions, next observation) for every step of `episodes` episodes that take uniformly
+    random admissible actions, with the prompts the rollout would build. The tasks come in a random order
+    (each once before any repeats)."""
     rng = random.Random(seed)
+    order = rng.sample(range(len(tasks)), len(tasks))
     samples = []
     for episode in range(episodes):
-        observation, info = env.reset(tasks[episode % len(tasks)])
+        observation, info = env.reset(tasks[order[episode % len(tasks)]])
         memory = Memory()
         for step in range(max_steps):
             admissible = info.get("admissible_actions", [])
@@ -37,7 +42,7 @@ def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int,
                                      history_length, format_instruction)
             action = rng.choice(admissible)
             next_observation, _, terminated, truncated, info = env.step(action)
-            samples.append((prompt, action, next_observation))
+            samples.append((prompt, list(admissible), next_observation))
             memory.add(observation, action)
             observation = next_observation
             if terminated or truncated:
@@ -49,9 +54,9 @@ def environment_corpus(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episode
                        history_length: int = 2, max_steps: int = 8) -> list[str]:
     """Texts that cover what the environment's prompts and actions can hold (tiny-tokenizer training data)."""
     texts = [*FORMAT_INSTRUCTIONS.values(), "Nothing happens."]
-    for prompt, action, observation in random_play(env, tasks, episodes, history_length=history_length,
-                                                   max_steps=max_steps):
-        texts += [prompt, action, observation]
+    for prompt, admissible, observation in random_play(env, tasks, episodes, history_length=history_length,
+                                                       max_steps=max_steps):
+        texts += [prompt, *admissible, observation]
     return texts
 
 
@@ -60,18 +65,26 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
                action_mode: str = "plain", format_instruction: str | None = None, batch_size: int = 64,
                learning_rate: float = 1e-3, seed: int = 0, report_to: str | list[str] = "none",
                use_cpu: bool = True) -> dict[str, float]:
-    """Fine-tune `model` in place on random admissible actions for `steps` optimizer steps; return its metrics.
+    """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
+    steps (about one pass over fresh pairs); return its metrics.
 
     The completion is the action itself (`plain` mode) or `<think> </think><action>A</action>` (`tags` mode).
     """
     instruction = FORMAT_INSTRUCTIONS[action_mode] if format_instruction is None else format_instruction
-    episodes = max(1, steps * batch_size // max(max_steps, 1))
-    samples = random_play(env_factory(), tasks, episodes, history_length=history_length, max_steps=max_steps,
-                          format_instruction=instruction, seed=seed)
+    env = env_factory()
+    pairs: list[tuple[str, str]] = []
+    episode_seed = seed
+    while len(pairs) < steps * batch_size:
+        episodes = random_play(env, tasks, max(1, (steps * batch_size - len(pairs)) // (2 * max_steps) + 1),
+                               history_length=history_length, max_steps=max_steps, format_instruction=instruction,
+                               seed=episode_seed)
+        pairs += [(prompt, action) for prompt, admissible, _ in episodes for action in admissible]
+        episode_seed += 1
+    env.close()
     answer = (lambda a: a) if action_mode == "plain" else (lambda a: f"<think> </think><action>{a}</action>")
     dataset = Dataset.from_dict({
-        "prompt": [[{"role": "user", "content": p}] for p, _, _ in samples],
-        "completion": [[{"role": "assistant", "content": answer(a)}] for _, a, _ in samples],
+        "prompt": [[{"role": "user", "content": p}] for p, _ in pairs],
+        "completion": [[{"role": "assistant", "content": answer(a)}] for _, a in pairs],
     })
     config = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
                        learning_rate=learning_rate, lr_scheduler_type="constant", logging_steps=max(1, steps // 10),

@@ -16,8 +16,8 @@ from envs.keydoor import (
 )
 
 TASK = {"room1": "library", "room2": "kitchen", "color1": "red", "color2": "blue", "gold": "red"}
-GOLD_PATH = ["go to library", "go to hall", "go to vault", "open red door"]
-COIN_PATH = ["go to kitchen", "go to hall", "go to vault", "open blue door"]
+GOLD_PATH = ["take red key", "go to hall", "go to vault", "open red door"]
+COIN_PATH = ["take blue key", "go to hall", "go to vault", "open blue door"]
 
 
 def play(env, task, actions):
@@ -27,8 +27,7 @@ def play(env, task, actions):
 
 
 def optimal_actions(row):
-    room = row["room1"] if row["color1"] == row["gold"] else row["room2"]
-    return [f"go to {room}", "go to hall", "go to vault", f"open {row['gold']} door"]
+    return [f"take {row['gold']} key", "go to hall", "go to vault", f"open {row['gold']} door"]
 
 
 @pytest.mark.parametrize("pools", [(2, 2), (4, 4)])
@@ -49,7 +48,7 @@ def test_gold_path_observations_and_info():
     env = KeyDoorEnv()
     obs, info = env.reset(TASK)
     assert obs == "You are in the entrance. The library has a red key. The kitchen has a blue key."
-    assert info == {"admissible_actions": ["go to library", "go to kitchen"], "state_key": obs, "won": False,
+    assert info == {"admissible_actions": ["take red key", "take blue key"], "state_key": obs, "won": False,
                     "task": "Find the gold. It is behind the red door.", "step": 0}
     assert env.state == (KeyDoorTask.from_row(TASK).task_id, "entrance", None)
     expected = [
@@ -80,7 +79,8 @@ def test_locked_door_ends_the_episode_without_reward():
     assert (reward, terminated, truncated, info["won"]) == (0.0, True, False, False)
 
 
-@pytest.mark.parametrize("bad", [None, "", "go to attic", "open green door", "go to hall please", "look"])
+@pytest.mark.parametrize("bad", [None, "", "go to attic", "take green key", "go to library", "open green door",
+                                 "go to hall please", "look"])
 @pytest.mark.parametrize("prefix", range(4))
 def test_invalid_action_changes_nothing(bad, prefix):
     env = KeyDoorEnv()
@@ -104,13 +104,13 @@ def test_admissible_action_at_the_wrong_time_changes_nothing():
 
 def test_actions_compare_stripped_and_lower_cased():
     env = KeyDoorEnv()
-    results = play(env, TASK, ["  Go To LIBRARY ", "GO TO HALL", "go to vault\n", " Open Red Door"])
+    results = play(env, TASK, ["  Take RED Key ", "GO TO HALL", "go to vault\n", " Open Red Door"])
     assert results[-1][1] == 10.0 and results[-1][4]["won"]
 
 
 def test_truncation_at_max_steps():
     env = KeyDoorEnv(max_steps=3)
-    results = play(env, TASK, ["go to library", None, "go to hall"])
+    results = play(env, TASK, ["take red key", None, "go to hall"])
     assert [r[3] for r in results] == [False, False, True]
     assert not results[-1][2] and results[-1][4]["step"] == 3
     with pytest.raises(RuntimeError, match="after the episode ended"):
@@ -123,7 +123,7 @@ def test_truncation_at_max_steps():
 def test_step_before_reset_and_after_done_raise():
     env = KeyDoorEnv()
     with pytest.raises(RuntimeError, match="before reset"):
-        env.step("go to library")
+        env.step("take red key")
     with pytest.raises(RuntimeError, match="before reset"):
         _ = env.state
     play(env, TASK, GOLD_PATH)
@@ -191,7 +191,8 @@ def test_transition_is_pure_and_matches_the_env():
 
 ROWS_4X4 = keydoor_tasks("train", num_rooms=4, num_colors=4).to_list()
 ACTIONS_4X4 = sorted({f"go to {r}" for r in ("library", "kitchen", "cellar", "attic", "hall", "vault")}
-                     | {f"open {c} door" for c in ("red", "blue", "green", "yellow")})
+                     | {f"{verb} {c} {thing}" for c in ("red", "blue", "green", "yellow")
+                        for verb, thing in (("take", "key"), ("open", "door"))})
 
 
 @settings(max_examples=200, deadline=None)
@@ -261,12 +262,13 @@ def test_render_prompt_with_two_step_history():
     prompt = env.render_prompt("Find the gold. It is behind the red door.", history,
                                "You are at the vault. There is a red door and a blue door.",
                                ["open red door", "open blue door"], 3)
-    assert prompt == ("Task: Find the gold. It is behind the red door.\nStep 3.\nHistory:\n"
+    assert prompt == ("Step 3.\nHistory:\n"
                       "> You are in the library. You take the red key.\n< go to hall\n"
                       "> You are in the hall.\n< go to vault\n"
                       "Now: You are at the vault. There is a red door and a blue door.\n"
-                      "Actions: open red door | open blue door\nAnswer:")
-    assert env.render_prompt("T.", [], "O.", ["a", "b"], 0) == "Task: T.\nStep 0.\nNow: O.\nActions: a | b\nAnswer:"
+                      "Actions: open red door | open blue door\n"
+                      "Task: Find the gold. It is behind the red door.\nAnswer:")
+    assert env.render_prompt("T.", [], "O.", ["a", "b"], 0) == "Step 0.\nNow: O.\nActions: a | b\nTask: T.\nAnswer:"
 
 
 def test_registry():

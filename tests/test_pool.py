@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 
 KEYDOOR = functools.partial(envs.make_env, "keydoor", max_steps=8)
 TASK = {"room1": "library", "room2": "kitchen", "color1": "red", "color2": "blue", "gold": "red"}
-GOLD_PATH = ["go to library", "go to hall", "go to vault", "open red door"]
+GOLD_PATH = ["take red key", "go to hall", "go to vault", "open red door"]
 
 
 class FaultyEnv(KeyDoorEnv):
@@ -82,9 +82,9 @@ def assert_plays_gold_path(batch, n):
 def test_worker_pool_matches_in_process():
     rows = list(envs.make_tasks("keydoor", "train", num_rooms=3, num_colors=3).select(range(6)))
     script = [  # subsets of indices, invalid (None) and inadmissible actions included
-        {0: "go to hall", 1: None, 2: f"go to {rows[2]['room1']}", 3: f"go to {rows[3]['room2']}", 5: "x"},
-        {2: "go to hall", 3: "go to hall", 4: f"go to {rows[4]['room1']}"},
-        {2: "go to vault", 3: "go to vault", 0: f"go to {rows[0]['room2']}"},
+        {0: "go to hall", 1: None, 2: f"take {rows[2]['color1']} key", 3: f"take {rows[3]['color2']} key", 5: "x"},
+        {2: "go to hall", 3: "go to hall", 4: f"take {rows[4]['color1']} key"},
+        {2: "go to vault", 3: "go to vault", 0: f"take {rows[0]['color2']} key"},
         {3: f"open {rows[3]['color2']} door", 2: f"open {rows[2]['color2']} door", 1: "go to hall"},
     ]
     local = InProcessEnvs(KEYDOOR, 6)
@@ -171,7 +171,7 @@ def test_close_and_garbage_collection_leave_no_children():
     batch.close()
     assert new_children(before) == []
     with pytest.raises(RuntimeError, match="closed"):
-        batch.step({0: "go to library"})
+        batch.step({0: "take red key"})
     batch = WorkerPoolEnvs(KEYDOOR, 4, num_workers=2)
     assert len(new_children(before)) == 2
     del batch

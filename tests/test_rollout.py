@@ -17,8 +17,7 @@ def optimal_action(prompt: str) -> str:
     task = prompt.split("It is behind the ")[1].split(" door")[0]
     now = prompt.split("Now: ")[1].split("\n")[0]
     if now.startswith("You are in the entrance"):
-        room = now.split(f"has a {task} key")[0].rsplit("The ", 1)[1].strip()
-        return f"go to {room}"
+        return f"take {task} key"
     if "You take the" in now:
         return "go to hall"
     if now.startswith("You are in the hall"):
@@ -75,7 +74,7 @@ def test_invalid_output_is_a_noop_penalised_and_counted():
     rollout = play(scripted(lambda p: next(outputs)), group_size=1, num_tasks=1, max_steps=3)
     first, second = rollout.steps[0], rollout.steps[1]
     assert not first.valid and first.action is None and first.reward == 0.0
-    assert second.observation == "Nothing happens." and "go to kitchen" in second.prompt  # the env did nothing
+    assert second.observation == "Nothing happens." and "Actions: take " in second.prompt  # the env did nothing
     assert rollout.episodes[0].invalid == 1 and rollout.episodes[0].truncated
     batch = rollout.step_batch()
     assert batch.valid.tolist() == [False, True, True]
@@ -129,8 +128,8 @@ def test_aliased_vault_mixes_contexts_that_hgpo_separates():
 
     def half_wrong(prompt):
         action = optimal_action(prompt)
-        if action.startswith("go to ") and action != "go to hall" and action != "go to vault":
-            return "go to kitchen" if next(count) % 2 else "go to library"
+        if action.startswith("take "):
+            return "take blue key" if next(count) % 2 else "take red key"
         return action
 
     envs = InProcessEnvs(partial(make_env, "keydoor"), 4)

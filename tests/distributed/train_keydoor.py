@@ -35,9 +35,9 @@ def main(out: str, extra: list[str]) -> None:
     played = []
     original = trainer._play
 
-    def recording_play(tasks, group_size, temperature):
+    def recording_play(tasks, group_size, temperature, *args):
         played.append([int(t["task_id"]) for t in tasks])
-        return original(tasks, group_size, temperature)
+        return original(tasks, group_size, temperature, *args)
 
     trainer._play = recording_play
     trainer.train()
