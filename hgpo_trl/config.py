@@ -90,6 +90,11 @@ class HGPOConfig(GRPOConfig):
         default="mean_std_norm", metadata={"help": "Within-group normalisation: 'mean_std_norm' or 'mean_norm'."})
     progpo_lambda: float = field(default=1.0, metadata={"help": "ProGPO weight of the transition credit."})
 
+    # Diagnostics
+    diagnostics_every: int = field(
+        default=0, metadata={"help": "Every this many iterations, log each estimator's bias and spread against "
+                                     "whole-history oracle groups (diag/*; hgpo_trl.diagnostics); 0: never."})
+
     # Evaluation
     eval_temperature: float = field(
         default=0.4, metadata={"help": "Sampling temperature of evaluate(); 0 means greedy."})
@@ -151,6 +156,7 @@ class HGPOConfig(GRPOConfig):
             ("env_reset_timeout", self.env_reset_timeout is None or self.env_reset_timeout > 0,
              "None or > 0 seconds"),
             ("eval_max_tasks", self.eval_max_tasks is None or self.eval_max_tasks >= 1, "None or an integer >= 1"),
+            ("diagnostics_every", self.diagnostics_every >= 0, "an integer >= 0 (0: never)"),
             ("max_prompt_tokens", self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              "None or an integer >= 1"),
             ("num_generations", self.num_generations is not None and self.num_generations >= 2,
@@ -192,6 +198,13 @@ class HGPOConfig(GRPOConfig):
             max_prompt_tokens=self.max_prompt_tokens,
             format_instruction="" if self.format_instruction is None and prompt_has_format(self.env_name)
             else self.format_instruction)
+
+    def diagnostic_estimators(self) -> dict[str, dict[str, Any]]:
+        """What `diagnostics_every` compares with the oracle: GRPO, GiGPO and HGPO at this config's depth."""
+        return {"grpo": {"estimator": "grpo", "episode_stats": self.episode_stats},
+                "gigpo": {"estimator": "gigpo", "omega": self.omega, "episode_stats": self.episode_stats},
+                "hgpo": {"estimator": "hgpo", "history_length": self.depth, "alpha": self.alpha,
+                         "weighting": self.weighting, "base_group": self.base_group}}
 
     def estimator_options(self) -> dict[str, Any]:
         """The keyword options of `estimator`, from this config's fields."""

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 
@@ -16,14 +17,14 @@ class IterationLine(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         if "env/success_rate" in logs:
-            print(f"[iter {state.global_step:>4}] success {logs['env/success_rate']:.2f}  "
-                  f"reward {logs['env/episode_reward']:6.2f}  invalid {logs['env/invalid_rate']:.2f}  "
-                  f"length {logs['env/episode_length']:4.1f}  | gen {logs['time/generation']:.1f}s  "
-                  f"env {logs['time/env']:.1f}s  adv {1e3 * logs['time/advantages']:.1f}ms  "
-                  f"train {logs['time/training']:.1f}s", flush=True)
+            tqdm.write(f"[iter {state.global_step:>4}] success {logs['env/success_rate']:.2f}  "
+                       f"reward {logs['env/episode_reward']:6.2f}  invalid {logs['env/invalid_rate']:.2f}  "
+                       f"length {logs['env/episode_length']:4.1f}  | gen {logs['time/generation']:.1f}s  "
+                       f"env {logs['time/env']:.1f}s  adv {1e3 * logs['time/advantages']:.1f}ms  "
+                       f"train {logs['time/training']:.1f}s")
         elif "eval_success_rate" in logs:
-            print(f"[eval {state.global_step:>4}] success {logs['eval_success_rate']:.2f} on "
-                  f"{int(logs['eval_tasks'])} tasks  reward {logs['eval_episode_reward']:.2f}", flush=True)
+            tqdm.write(f"[eval {state.global_step:>4}] success {logs['eval_success_rate']:.2f} on "
+                       f"{int(logs['eval_tasks'])} tasks  reward {logs['eval_episode_reward']:.2f}")
 
 
 def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:

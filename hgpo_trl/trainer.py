@@ -33,6 +33,7 @@ from envs.pool import EnvBatch, default_num_workers, make_env_batch
 from envs.registry import is_fast_env
 from hgpo_trl.advantages import compute_advantages, hgpo_level_stats
 from hgpo_trl.config import HGPOConfig
+from hgpo_trl.diagnostics import Bias, advantage_bias
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
 from hgpo_trl.sampler import TaskSampler
 
@@ -355,6 +356,16 @@ class HGPOTrainer(GRPOTrainer):
         scores = [e.score for e in episodes if e.score is not None]
         if scores:  # environments that grade outcomes (WebShop's purchase score)
             local["env/score"] = float(np.mean(scores))
+        every = self.args.diagnostics_every
+        if every and mode == "train" and self._iteration % every == 0:
+            # Every process logs the same keys (metrics are gathered), even one left with no step.
+            estimators = self.args.diagnostic_estimators()
+            report = advantage_bias(batch, estimators, gamma=self.args.gamma, norm=self.args.advantage_norm,
+                                    invalid_penalty=self.args.invalid_penalty) if steps else {}
+            for label in estimators:
+                bias = report.get(label, Bias(0.0, 0.0, 0.0, 0))
+                local[f"diag/{label}_bias"], local[f"diag/{label}_spread"] = bias.bias, bias.spread
+                local["diag/oracle_steps"] = bias.steps
         if self.args.estimator == "hgpo" and steps:
             self.last_level_stats = hgpo_level_stats(batch, history_length=self.args.depth)
             for level in self.last_level_stats:

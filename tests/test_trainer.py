@@ -237,3 +237,13 @@ def test_webshop_trains_and_logs_its_score(tmp_path):
     log = next(h for h in trainer.state.log_history if "env/success_rate" in h)
     assert 0.0 <= log["env/score"] <= 1.0
     assert "eval_score" in trainer.evaluate()
+
+
+def test_diagnostics_are_logged_every_n_iterations(tmp_path, tiny_model, tiny_tokenizer):
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, diagnostics_every=2, train_iterations=3))
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
+    assert ["diag/hgpo_bias" in h for h in logs] == [True, False, True]
+    for name in ("grpo", "gigpo", "hgpo"):
+        assert np.isfinite(logs[0][f"diag/{name}_bias"]) and logs[0][f"diag/{name}_spread"] >= 0
+    assert logs[0]["diag/oracle_steps"] >= 1  # the G rollouts of a task share their first observation
