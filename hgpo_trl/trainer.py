@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -24,6 +25,8 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
+from transformers.integrations import TensorBoardCallback
+from transformers.integrations.integration_utils import default_logdir
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
@@ -89,6 +92,10 @@ class HGPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config)
+        for callback in self.callback_handler.callbacks:
+            # The writer opens at the first log: evaluate() before train() would otherwise put it in ./runs.
+            if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+                callback.logging_dir = os.path.join(args.output_dir, default_logdir())
         self.env_factory = env_factory or partial(make_env, args.env_name, **(args.env_kwargs or {}))
         self._env_workers = args.env_workers
         if self._env_workers is None:  # a slow environment gets a worker pool sized to this process's cores

@@ -247,3 +247,14 @@ def test_diagnostics_are_logged_every_n_iterations(tmp_path, tiny_model, tiny_to
     for name in ("grpo", "gigpo", "hgpo"):
         assert np.isfinite(logs[0][f"diag/{name}_bias"]) and logs[0][f"diag/{name}_spread"] >= 0
     assert logs[0]["diag/oracle_steps"] >= 1  # the G rollouts of a task share their first observation
+
+
+def test_tensorboard_logs_land_in_output_dir_even_when_evaluating_first(tmp_path, tiny_model, tiny_tokenizer,
+                                                                         monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, report_to="tensorboard",
+                                                                   train_iterations=1))
+    trainer.evaluate()
+    trainer.train()
+    assert list((tmp_path / "out" / "runs").rglob("events.out.tfevents.*"))
+    assert not (tmp_path / "runs").exists()
