@@ -47,6 +47,9 @@ class HGPOConfig(GRPOConfig):
         default=None, metadata={"help": "Seconds a worker may take for one step call before its episodes fail."})
     env_reset_timeout: float | None = field(
         default=None, metadata={"help": "Seconds a worker may take for one reset call (and to start)."})
+    max_faulty_iterations: int = field(
+        default=3, metadata={"help": "Stop (after saving a checkpoint) when this many iterations in a row have more "
+                                     "than half their episodes failed by environment faults; 0: never stop."})
     train_iterations: int | None = field(
         default=None, metadata={"help": "Rollout iterations to train for; sets max_steps (optimizer steps) from it."})
 
@@ -157,6 +160,7 @@ class HGPOConfig(GRPOConfig):
              "None or > 0 seconds"),
             ("eval_max_tasks", self.eval_max_tasks is None or self.eval_max_tasks >= 1, "None or an integer >= 1"),
             ("diagnostics_every", self.diagnostics_every >= 0, "an integer >= 0 (0: never)"),
+            ("max_faulty_iterations", self.max_faulty_iterations >= 0, "an integer >= 0 (0: never stop)"),
             ("max_prompt_tokens", self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              "None or an integer >= 1"),
             ("num_generations", self.num_generations is not None and self.num_generations >= 2,

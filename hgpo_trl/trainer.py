@@ -106,6 +106,7 @@ class HGPOTrainer(GRPOTrainer):
         self._sample_rng = np.random.default_rng(args.seed + self.accelerator.process_index)
         self._training_seconds = 0.0
         self._iteration = 0
+        self._faulty_streak = 0
 
     # ------------------------------------------------------------------ tasks
     def get_train_dataloader(self):
@@ -256,6 +257,7 @@ class HGPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         mode = "train" if self.model.training else "eval"
         rollout = self._play(list(inputs), self.num_generations, self.temperature)
+        self._check_faults(rollout)
         batch = rollout.step_batch()
         tick = time.perf_counter()
         advantages = compute_advantages(self.args.estimator, batch, **self.args.estimator_options())
@@ -267,6 +269,23 @@ class HGPOTrainer(GRPOTrainer):
         self._log_iteration(mode, rollout, batch, advantages, selected, advantage_seconds)
         self._iteration += 1
         return output
+
+    def _check_faults(self, rollout: Rollout) -> None:
+        """A broken environment must stop the run, not let it train on nothing for days: after
+        `max_faulty_iterations` mostly-faulted iterations in a row, save a checkpoint and raise."""
+        faulted = sum(e.fault is not None for e in rollout.episodes)
+        local = torch.tensor(float(2 * faulted > len(rollout.episodes)), device=self.accelerator.device)
+        mostly_faulted = self.accelerator.reduce(local, reduction="max").item() > 0  # the same on every process
+        self._faulty_streak = self._faulty_streak + 1 if mostly_faulted else 0
+        limit = self.args.max_faulty_iterations
+        if limit and self._faulty_streak >= limit:
+            self._save_checkpoint(self.model, trial=None)
+            example = next((e.fault for e in rollout.episodes if e.fault is not None), "on another process")
+            raise RuntimeError(
+                f"environment faults: more than half the episodes failed in {limit} iterations in a row "
+                f"(iteration {self._iteration}; e.g. {example}). A checkpoint was saved in {self.args.output_dir}; "
+                "fix the environment (or raise env_step_timeout / max_faulty_iterations) and resume with "
+                "--resume_from_checkpoint")
 
     def _training_inputs(self, rollout: Rollout, advantages: np.ndarray, selected: np.ndarray) -> dict[str, Any]:
         device = self.accelerator.device

@@ -258,3 +258,17 @@ def test_tensorboard_logs_land_in_output_dir_even_when_evaluating_first(tmp_path
     trainer.train()
     assert list((tmp_path / "out" / "runs").rglob("events.out.tfevents.*"))
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_broken_environment_stops_the_run_after_a_checkpoint(tmp_path, tiny_model, tiny_tokenizer):
+    from datasets import Dataset
+
+    rows = [dict(row, fault=True) for row in make_tasks("keydoor", "train", num_tasks=8)]
+    args = make_config(tmp_path, invalid_action="noop", train_iterations=5, max_faulty_iterations=2)
+    trainer = HGPOTrainer(model=tiny_model, args=args, processing_class=tiny_tokenizer,
+                          train_dataset=Dataset.from_list(rows), env_factory=RaisingEnv)
+    with pytest.raises(RuntimeError, match=r"more than half the episodes failed in 2 iterations in a row .*"
+                                           r"injected fault.*resume with --resume_from_checkpoint"):
+        trainer.train()
+    checkpoints = list((tmp_path / "out").glob("checkpoint-*"))
+    assert len(checkpoints) == 1 and (checkpoints[0] / "model.safetensors").exists()
