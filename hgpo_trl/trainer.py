@@ -242,6 +242,14 @@ class HGPOTrainer(GRPOTrainer):
         tick = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._training_seconds += time.perf_counter() - tick
+        # Before the optimizer step: the parameters are still good and no checkpoint holds a NaN. Every process
+        # takes the same decision, so none is left waiting in a collective.
+        bad = torch.tensor(float(not torch.isfinite(loss).all()), device=self.accelerator.device)
+        if self.accelerator.reduce(bad, reduction="max").item() > 0:
+            raise FloatingPointError(
+                f"non-finite loss at iteration {self._iteration} (1-based; optimizer step {self.state.global_step + 1}): the "
+                f"parameters were not updated and the last checkpoint in {self.args.output_dir} is intact; check "
+                "the advantages (adv/*) and lower learning_rate, then resume with --resume_from_checkpoint")
         return loss
 
     def _sample_budget(self) -> int:
@@ -262,7 +270,7 @@ class HGPOTrainer(GRPOTrainer):
         tick = time.perf_counter()
         advantages = compute_advantages(self.args.estimator, batch, **self.args.estimator_options())
         if not np.all(np.isfinite(advantages)):
-            raise FloatingPointError(f"non-finite advantages at iteration {self._iteration}")
+            raise FloatingPointError(f"non-finite advantages at iteration {self._iteration + 1}")
         advantage_seconds = time.perf_counter() - tick
         selected = self._select(len(rollout.steps))
         output = self._training_inputs(rollout, advantages, selected)

@@ -272,3 +272,17 @@ def test_a_broken_environment_stops_the_run_after_a_checkpoint(tmp_path, tiny_mo
         trainer.train()
     checkpoints = list((tmp_path / "out").glob("checkpoint-*"))
     assert len(checkpoints) == 1 and (checkpoints[0] / "model.safetensors").exists()
+
+
+def test_a_non_finite_loss_stops_before_the_update(tmp_path, tiny_model, tiny_tokenizer):
+    # Finite in float64, infinite once the loss casts it to float32: a real overflow on the real loss path.
+    register_estimator("test_huge", lambda batch: np.where(np.arange(len(batch)) % 2, 1e300, -1e300))
+    try:
+        trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, estimator="test_huge"))
+        before = snapshot(tiny_model)
+        with pytest.raises(FloatingPointError, match=r"non-finite loss at iteration 1 \(1-based; optimizer step 1\).*"
+                                                     r"parameters were not updated"):
+            trainer.train()
+    finally:
+        ESTIMATORS.pop("test_huge")
+    assert not changed(tiny_model, before)
