@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.integrations import TensorBoardCallback
 from transformers.integrations.integration_utils import default_logdir
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
@@ -39,6 +41,8 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.diagnostics import Bias, advantage_bias
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
 from hgpo_trl.sampler import TaskSampler
+
+STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into output_dir
 
 # The keys of the generation dict that GRPOTrainer's loss reads (tests/test_trainer_contract.py pins them).
 LOSS_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
@@ -361,6 +365,30 @@ class HGPOTrainer(GRPOTrainer):
             return torch.clamp(ratio, min=low, max=high)
         outside = (ratio < (-float("inf") if low is None else low)) | (ratio > (float("inf") if high is None else high))
         return ratio.masked_fill(outside, 0.0)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, trial) -> None:
+        """The parent's checkpoint, written under `output_dir/.staging` and renamed into place once complete: a
+        run killed mid-save leaves the previous checkpoint as the latest, never a half-written one."""
+        run_dir = self._get_output_dir(trial=trial)
+        staging = os.path.join(run_dir, STAGING_DIR)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.args.should_save:
+            shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+        self.accelerator.wait_for_everyone()
+        self._get_output_dir = lambda trial=None: staging  # the parent writes and rotates there
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            del self._get_output_dir
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            final = os.path.join(run_dir, name)
+            shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (a resumed run)
+            os.replace(os.path.join(staging, name), final)
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------ logging
     def _log_iteration(self, mode: str, rollout: Rollout, batch, advantages: np.ndarray, selected: np.ndarray,

@@ -286,3 +286,33 @@ def test_a_non_finite_loss_stops_before_the_update(tmp_path, tiny_model, tiny_to
     finally:
         ESTIMATORS.pop("test_huge")
     assert not changed(tiny_model, before)
+
+
+def test_checkpoints_appear_only_when_complete(tmp_path, tiny_model, tiny_tokenizer, monkeypatch):
+    from transformers.trainer_utils import get_last_checkpoint
+
+    args = make_config(tmp_path, train_iterations=3, save_strategy="steps", save_steps=1, save_total_limit=2)
+    trainer = make_trainer(tiny_model, tiny_tokenizer, args)
+    original = HGPOTrainer._save_rng_state
+
+    def killed_during_the_third_save(self, output_dir):
+        if self.state.global_step == 3:
+            raise KeyboardInterrupt("killed while saving")  # after the weights and optimizer were written
+        original(self, output_dir)
+
+    monkeypatch.setattr(HGPOTrainer, "_save_rng_state", killed_during_the_third_save)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+    assert (out / "checkpoint-2" / "trainer_state.json").exists() and (out / "checkpoint-2" / "rng_state.pth").exists()
+    assert (out / ".staging" / "checkpoint-3" / "model.safetensors").exists()  # the partial save, out of the way
+
+
+def test_checkpoint_rotation_keeps_the_newest(tmp_path, tiny_model, tiny_tokenizer):
+    args = make_config(tmp_path, train_iterations=3, save_strategy="steps", save_steps=1, save_total_limit=2)
+    make_trainer(tiny_model, tiny_tokenizer, args).train()
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert not list((out / ".staging").glob("checkpoint-*"))
