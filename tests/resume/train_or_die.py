@@ -1,0 +1,51 @@
+"""A 4-iteration HGPO run that checkpoints every iteration: `python train_or_die.py OUT [kill_after=N] [resume=1]`.
+
+kill_after=N: the process SIGKILLs itself right after checkpoint-N is saved (a real kill, mid-run).
+resume=1: continue from the latest checkpoint in OUT. At the end OUT/final.pt holds the parameters.
+"""
+
+import os
+import signal
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from envs import make_tasks
+from hgpo_trl.config import HGPOConfig
+from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
+from hgpo_trl.trainer import HGPOTrainer
+from tests.conftest import keydoor_corpus
+
+
+class KillAfter(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(out: str, extra: list[str]) -> None:
+    options = dict(arg.split("=", 1) for arg in extra)
+    tokenizer = build_tiny_tokenizer(keydoor_corpus())
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    args = HGPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=4, tasks_per_device=2,
+                      max_completion_length=4, max_env_steps=5, action_mode="plain", invalid_action="noop",
+                      learning_rate=1e-2, train_iterations=4, logging_steps=1, report_to="none", use_cpu=True,
+                      save_strategy="steps", save_steps=1, seed=0, disable_tqdm=True)
+    callbacks = [KillAfter(int(options["kill_after"]))] if "kill_after" in options else []
+    trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, callbacks=callbacks,
+                          train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4))
+    trainer.train(resume_from_checkpoint=get_last_checkpoint(out) if options.get("resume") == "1" else None)
+    torch.save({name: p.detach().clone() for name, p in trainer.model.named_parameters()},
+               os.path.join(out, "final.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
