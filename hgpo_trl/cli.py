@@ -179,7 +179,7 @@ def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig
         return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"revision": model_args.model_revision, "trust_remote_code": model_args.trust_remote_code}
+    kwargs = {"revision": model_args.model_revision, "trust_remote_code": args.trust_remote_code}
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=model_args.dtype or "auto",
                                                  attn_implementation=model_args.attn_implementation, **kwargs)

@@ -9,6 +9,7 @@ samples require is overridden: the task dataloader, `_generate_and_score_complet
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import shutil
@@ -101,6 +102,12 @@ class HGPOTrainer(GRPOTrainer):
             if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
                 callback.logging_dir = os.path.join(args.output_dir, default_logdir())
         self.env_factory = env_factory or partial(make_env, args.env_name, **(args.env_kwargs or {}))
+        self.rollout_settings = args.rollout_settings()
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if self.rollout_settings.max_prompt_tokens is None and context and context > (args.max_completion_length or 0):
+            # Prompts must leave room for the completion: fit them to the model's context by default.
+            self.rollout_settings = dataclasses.replace(self.rollout_settings,
+                                                        max_prompt_tokens=context - (args.max_completion_length or 0))
         self._env_workers = args.env_workers
         if self._env_workers is None:  # a slow environment gets a worker pool sized to this process's cores
             fast = env_factory is not None or is_fast_env(args.env_name)
@@ -237,7 +244,7 @@ class HGPOTrainer(GRPOTrainer):
                                    logprobs=None if logprobs is None else logprobs[i])
                         for i, (text, p, c) in enumerate(zip(texts, prompt_ids, completion_ids, strict=True))]
 
-            return run_rollout(envs, tasks, group_size, policy, self.args.rollout_settings(),
+            return run_rollout(envs, tasks, group_size, policy, self.rollout_settings,
                                keep_going=self._any_live, on_turn=on_turn,
                                count_tokens=lambda text: len(self._encode_prompt(text)))
 

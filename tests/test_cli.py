@@ -173,3 +173,29 @@ def test_a_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path):
                 for h in history if "env/success_rate" in h]
 
     assert len(metrics(straight)) == 4 and metrics(interrupted) == metrics(straight)
+
+
+def test_a_model_folder_loads_through_transformers(tmp_path, tiny_model_path):
+    import json
+
+    from hgpo_trl.cli import main
+
+    config = write(tmp_path, """env_name: keydoor
+action_mode: plain
+num_eval_tasks: 2
+tasks_per_device: 2
+num_generations: 4
+per_device_train_batch_size: 16
+max_completion_length: 4
+max_env_steps: 5
+train_iterations: 1
+logging_steps: 1
+save_strategy: "no"
+plots: false
+disable_tqdm: true
+""")
+    text = (tmp_path / "c.yaml").read_text().replace("model_name_or_path: tiny", f"model_name_or_path: {tiny_model_path}")
+    (tmp_path / "c.yaml").write_text(text)
+    main(["--config", config])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["optimizer_steps"] == 1 and summary["config"]["model"]["model_name_or_path"] == tiny_model_path

@@ -316,3 +316,40 @@ def test_checkpoint_rotation_keeps_the_newest(tmp_path, tiny_model, tiny_tokeniz
     out = tmp_path / "out"
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     assert not list((out / ".staging").glob("checkpoint-*"))
+
+
+@pytest.mark.slow
+def test_worker_faults_in_training_fail_episodes_and_training_goes_on(tmp_path, tiny_model, tiny_tokenizer):
+    """Environments in worker processes that raise, hang past env_step_timeout, or kill their worker, in reset
+    and mid-episode: their episodes fail and are counted, workers are replaced, every iteration completes."""
+    from datasets import Dataset
+
+    from tests.test_pool import FaultyEnv
+
+    faults = [("raise", 0), ("raise", 2), ("hang", 1), ("exit", 2), (None, 0), (None, 0)]
+    rows = [dict(row, fault=fault, fault_step=step)
+            for row, (fault, step) in zip(make_tasks("keydoor", "train", num_tasks=6), faults, strict=True)]
+    args = make_config(tmp_path, invalid_action="noop", tasks_per_device=2, train_iterations=3, env_workers=2,
+                       env_step_timeout=3.0, env_reset_timeout=30.0, max_faulty_iterations=0)
+    trainer = HGPOTrainer(model=tiny_model, args=args, processing_class=tiny_tokenizer,
+                          train_dataset=Dataset.from_list(rows), env_factory=FaultyEnv)
+    try:
+        trainer.train()
+    finally:
+        trainer.close_environments()
+    logs = [h for h in trainer.state.log_history if "env/faults" in h]
+    assert trainer.state.global_step == 3 and len(logs) == 3
+    assert sum(h["env/faults"] for h in logs) >= 4  # every faulty task played fails its episodes
+
+
+def test_prompts_are_fitted_to_the_model_context_by_default(tmp_path, tiny_tokenizer):
+    from hgpo_trl.tiny import build_tiny_model
+
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64)
+    trainer = make_trainer(model, tiny_tokenizer, make_config(tmp_path, history_length=3, train_iterations=2))
+    assert trainer.rollout_settings.max_prompt_tokens == 64 - 4
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "prompt/history_cut" in h]
+    assert max(h["prompt/history_cut"] for h in logs) > 0  # a 64-token context cannot hold 3 history pairs
+    rollout = trainer._play(list(make_tasks("keydoor", "train", num_tasks=2)), 2, 1.0)
+    assert all(len(trainer._encode_prompt(s.prompt)) <= 60 or s.over_budget for s in rollout.steps)
