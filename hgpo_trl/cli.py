@@ -204,7 +204,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
                                action_mode=args.action_mode, format_instruction=args.format_instruction,
                                batch_size=env_args.warmstart_batch_size,
                                learning_rate=env_args.warmstart_learning_rate, seed=args.seed,
-                               use_cpu=args.use_cpu)
+                               use_cpu=args.use_cpu, progress=not args.disable_tqdm)
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args),
                           callbacks=[IterationLine()])

@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import datasets
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
@@ -64,7 +65,7 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
                steps: int, output_dir: str, history_length: int = 2, max_steps: int = 8,
                action_mode: str = "plain", format_instruction: str | None = None, batch_size: int = 64,
                learning_rate: float = 1e-3, seed: int = 0, report_to: str | list[str] = "none",
-               use_cpu: bool = True) -> dict[str, float]:
+               use_cpu: bool = True, progress: bool = False) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
     steps (about one pass over fresh pairs); return its metrics.
 
@@ -86,10 +87,17 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
         "prompt": [[{"role": "user", "content": p}] for p, _ in pairs],
         "completion": [[{"role": "assistant", "content": answer(a)}] for _, a in pairs],
     })
+    # One progress bar for the warm start; no per-step log dicts, no dataset-preparation bars.
     config = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
-                       learning_rate=learning_rate, lr_scheduler_type="constant", logging_steps=max(1, steps // 10),
-                       save_strategy="no", report_to=report_to, use_cpu=use_cpu, seed=seed, disable_tqdm=True,
+                       learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
+                       save_strategy="no", report_to=report_to, use_cpu=use_cpu, seed=seed, disable_tqdm=not progress,
                        log_level="warning")
-    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     result = trainer.train()
     return {"warmstart_loss": float(result.training_loss), "warmstart_examples": len(dataset)}
