@@ -98,6 +98,12 @@ class HGPOConfig(GRPOConfig):
         default=0, metadata={"help": "Every this many iterations, log each estimator's bias and spread against "
                                      "whole-history oracle groups (diag/*; hgpo_trl.diagnostics); 0: never."})
 
+    trajectory_dump_every: int = field(
+        default=0, metadata={"help": "Every this many iterations, and at every evaluation, write each step (task, "
+                                     "prompt, output, action, reward, return, advantage, HGPO peer levels) to "
+                                     "output_dir/trajectories/*.jsonl (python -m hgpo_trl.trajectories reads "
+                                     "them); 0: never."})
+
     # Evaluation
     eval_temperature: float = field(
         default=0.4, metadata={"help": "Sampling temperature of evaluate(); 0 means greedy."})
@@ -160,6 +166,7 @@ class HGPOConfig(GRPOConfig):
              "None or > 0 seconds"),
             ("eval_max_tasks", self.eval_max_tasks is None or self.eval_max_tasks >= 1, "None or an integer >= 1"),
             ("diagnostics_every", self.diagnostics_every >= 0, "an integer >= 0 (0: never)"),
+            ("trajectory_dump_every", self.trajectory_dump_every >= 0, "an integer >= 0 (0: never)"),
             ("max_faulty_iterations", self.max_faulty_iterations >= 0, "an integer >= 0 (0: never stop)"),
             ("max_prompt_tokens", self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
              "None or an integer >= 1"),

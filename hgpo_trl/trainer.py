@@ -42,6 +42,7 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.diagnostics import Bias, advantage_bias
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
 from hgpo_trl.sampler import TaskSampler
+from hgpo_trl.trajectories import rollout_records, write_records
 
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into output_dir
 
@@ -284,10 +285,22 @@ class HGPOTrainer(GRPOTrainer):
             raise FloatingPointError(f"non-finite advantages at iteration {self._iteration + 1}")
         advantage_seconds = time.perf_counter() - tick
         selected = self._select(len(rollout.steps))
+        every = self.args.trajectory_dump_every
+        if every and mode == "train" and self._iteration % every == 0:
+            self._dump(f"iter_{self._iteration + 1:06d}", self._records(rollout, list(inputs), advantages))
         output = self._training_inputs(rollout, advantages, selected)
         self._log_iteration(mode, rollout, batch, advantages, selected, advantage_seconds)
         self._iteration += 1
         return output
+
+    def _records(self, rollout: Rollout, tasks: list, advantages: np.ndarray | None) -> list[dict]:
+        return rollout_records(rollout, tasks, advantages, gamma=self.args.gamma,
+                               invalid_penalty=self.args.invalid_penalty, depth=self.args.depth)
+
+    def _dump(self, name: str, records: list[dict]) -> None:
+        """Write step records to output_dir/trajectories/<name>[_rank<i>].jsonl (read by hgpo_trl.trajectories)."""
+        suffix = f"_rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+        write_records(Path(self.args.output_dir) / "trajectories" / f"{name}{suffix}.jsonl", records)
 
     def _check_faults(self, rollout: Rollout) -> None:
         """A broken environment must stop the run, not let it train on nothing for days: after
@@ -470,9 +483,18 @@ class HGPOTrainer(GRPOTrainer):
         was_training = self.model.training
         self.model.eval()
         try:
-            episodes = [e for c in range(chunks)
-                        for e in self._play(rows[c * chunk:(c + 1) * chunk], 1, self.args.eval_temperature,
-                                            f"evaluation {c + 1}/{chunks}").episodes]
+            episodes, records = [], []
+            for c in range(chunks):
+                tasks = rows[c * chunk:(c + 1) * chunk]
+                rollout = self._play(tasks, 1, self.args.eval_temperature, f"evaluation {c + 1}/{chunks}")
+                episodes += rollout.episodes
+                if self.args.trajectory_dump_every:
+                    for record in self._records(rollout, tasks, None):
+                        # Episode numbers run on across chunks, so a reader keeps the episodes apart.
+                        record["episode"] += c * chunk
+                        records.append(record)
+            if self.args.trajectory_dump_every:
+                self._dump(f"eval_step_{self.state.global_step:06d}", records)
             local = torch.tensor([sum(e.won for e in episodes), sum(e.total_reward for e in episodes),
                                   sum(e.steps for e in episodes), len(episodes),
                                   sum(e.score or 0.0 for e in episodes), sum(e.score is not None for e in episodes)],

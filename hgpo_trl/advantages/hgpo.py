@@ -148,3 +148,12 @@ def hgpo_level_stats(batch: StepBatch, history_length: int = 2) -> list[LevelSta
     return [LevelStats(level=k, eligible=int(level.order.size), with_peers=int((level.size() >= 2).sum()),
                        group_sizes=np.bincount(level.sizes, minlength=2))
             for k, level in enumerate(history_levels(steps, steps.obs, history_length))]
+
+
+def hgpo_peer_levels(batch: StepBatch, history_length: int = 2) -> np.ndarray:
+    """(N, K+1) booleans in the batch's row order: whether the step's level-k group holds another step, i.e. the
+    levels that contribute to its HGPO advantage (trajectory dumps)."""
+    check_level_args(history_length, 0.0, "mean_norm", "power")
+    steps = sort_steps(batch)
+    levels = history_levels(steps, steps.obs, history_length)
+    return steps.unsort(np.stack([level.size() >= 2 for level in levels], axis=1))

@@ -1,0 +1,86 @@
+"""Trajectory dumps (issue 8): what the trainer writes, and the two readers."""
+
+import json
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from envs import make_env, make_tasks
+from envs.pool import InProcessEnvs
+from hgpo_trl.advantages import compute_advantages
+from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.trajectories import read_records, rollout_records, show_episode, summarize, write_records
+from tests.test_trainer import make_config, make_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scripted_rollout():
+    """Two rollouts of one task: the first takes the gold key and wins, the second answers nonsense first."""
+    task = make_tasks("keydoor", "train", num_tasks=1)[0]
+    plans = {0: [f"take {task['gold']} key", "go to hall", "go to vault", f"open {task['gold']} door"],
+             1: ["", f"take {task['gold']} key", "go to hall", "go to vault", f"open {task['gold']} door"]}
+    turn = {0: 0, 1: 0}
+
+    def policy(prompts):
+        out = []
+        for i in range(len(prompts)):
+            traj = i if len(prompts) == 2 else max(turn, key=lambda k: len(plans[k]) - turn[k])
+            out.append(Completion(text=plans[traj][turn[traj]]))
+            turn[traj] += 1
+        return out
+
+    rollout = run_rollout(InProcessEnvs(partial(make_env, "keydoor"), 2), [task], 2, policy,
+                          RolloutSettings(action_mode="plain", max_steps=8))
+    return task, rollout
+
+
+def test_records_hold_every_field_of_every_step(tmp_path):
+    task, rollout = scripted_rollout()
+    advantages = compute_advantages("hgpo", rollout.step_batch(), gamma=1.0, norm="mean_norm", invalid_penalty=0.0)
+    records = rollout_records(rollout, [task], advantages, gamma=1.0, invalid_penalty=0.0, depth=2)
+    path = write_records(tmp_path / "d.jsonl", records)
+    back = read_records(path)
+    assert back == json.loads(json.dumps(records)) and len(back) == len(rollout.steps) == 9
+    first = [r for r in back if r["episode"] == 0]
+    assert [r["t"] for r in first] == [0, 1, 2, 3] and first[-1]["reward"] == 10.0 and first[0]["return"] == 10.0
+    assert first[0]["episode_won"] and first[0]["task"] == dict(task) and "Task:" in first[0]["prompt"]
+    invalid = [r for r in back if not r["valid"]]
+    assert len(invalid) == 1 and invalid[0]["action"] is None and invalid[0]["output"] == ""
+    assert all(r["advantage"] == float(a) for r, a in zip(back, advantages, strict=True))
+    # Both rollouts start from the same observation: a level-0 peer at t = 0.
+    assert all(0 in r["peer_levels"] for r in back if r["t"] == 0)
+
+
+def test_show_and_summary(tmp_path):
+    task, rollout = scripted_rollout()
+    records = rollout_records(rollout, [task], None, gamma=0.95, invalid_penalty=0.1, depth=2)
+    text = show_episode(records, 1)
+    assert text.startswith("episode 1 (task group 0): won") and "INVALID ('')" in text and "[t=4]" in text
+    summary = summarize(records)
+    assert summary["episodes"] == 2 and summary["success_by_task_type"] == {"all": {"episodes": 2, "success_rate": 1.0}}
+    assert summary["invalid_reasons"] == {"empty output": 1} and summary["most_common_failing_states"] == []
+    path = write_records(tmp_path / "d.jsonl", records)
+    shown = subprocess.run([sys.executable, "-m", "hgpo_trl.trajectories", "show", str(path), "--episode", "0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "episode 0" in shown.stdout
+    missing = subprocess.run([sys.executable, "-m", "hgpo_trl.trajectories", "summary", str(tmp_path / "none.jsonl")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no trajectory dump at" in missing.stderr
+
+
+def test_the_trainer_dumps_iterations_and_evaluations(tmp_path, tiny_model, tiny_tokenizer):
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, trajectory_dump_every=2,
+                                                                    train_iterations=3))
+    trainer.train()
+    trainer.evaluate()
+    folder = tmp_path / "out" / "trajectories"
+    assert sorted(p.name for p in folder.iterdir()) == ["eval_step_000003.jsonl", "iter_000001.jsonl",
+                                                         "iter_000003.jsonl"]
+    records = read_records(folder / "iter_000001.jsonl")
+    assert {r["group"] for r in records} == {0, 1} and all(np.isfinite(r["advantage"]) for r in records)
+    evaluation = read_records(folder / "eval_step_000003.jsonl")
+    assert len({r["episode"] for r in evaluation}) == 2 and all(r["advantage"] is None for r in evaluation)
