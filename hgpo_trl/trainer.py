@@ -227,10 +227,18 @@ class HGPOTrainer(GRPOTrainer):
             bar.update(turn + 1 - bar.n)
             bar.set_postfix(live_episodes=live, refresh=False)
 
+        # Fitting a prompt to the context counts its tokens: keep those ids for generation, not a second encode.
+        encoded: dict[str, list[int]] = {}
+
+        def count_tokens(text: str) -> int:
+            encoded[text] = self._encode_prompt(text)
+            return len(encoded[text])
+
         with self._generation_backend(temperature) as generate, bar:
 
             def policy(prompts: list[str]) -> list[Completion]:
-                prompt_ids = [self._encode_prompt(p) for p in prompts]
+                prompt_ids = [encoded[p] if p in encoded else self._encode_prompt(p) for p in prompts]
+                encoded.clear()  # the fitting attempts of this turn
                 # Keep collective backends in step: pad with a dummy prompt (a process with nothing live still
                 # generates; vLLM's server mode needs the same count on every process).
                 padded = prompt_ids + [self._encode_prompt("")] * (self._generation_count(len(prompt_ids))
@@ -246,8 +254,7 @@ class HGPOTrainer(GRPOTrainer):
                         for i, (text, p, c) in enumerate(zip(texts, prompt_ids, completion_ids, strict=True))]
 
             return run_rollout(envs, tasks, group_size, policy, self.rollout_settings,
-                               keep_going=self._any_live, on_turn=on_turn,
-                               count_tokens=lambda text: len(self._encode_prompt(text)))
+                               keep_going=self._any_live, on_turn=on_turn, count_tokens=count_tokens)
 
     # ------------------------------------------------------------------ training batch
     def training_step(self, model, inputs, num_items_in_batch):
