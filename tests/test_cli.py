@@ -17,10 +17,27 @@ def test_every_shipped_config_parses(path, tmp_path):
     assert model_args.model_name_or_path and args.env_name and args.max_steps > 0
 
 
-def write(tmp_path, text):
+def write(tmp_path, text, model="tiny"):
     path = tmp_path / "c.yaml"
-    path.write_text(f"model_name_or_path: tiny\noutput_dir: {tmp_path}/out\nreport_to: none\nuse_cpu: true\n{text}")
+    path.write_text(f"model_name_or_path: {model}\noutput_dir: {tmp_path}/out\nreport_to: none\nuse_cpu: true\n{text}")
     return str(path)
+
+
+# A run of seconds on keydoor with the tiny model; each test adds what it checks.
+TINY_RUN = """env_name: keydoor
+action_mode: plain
+num_eval_tasks: 2
+tiny_hidden_size: 32
+tiny_num_layers: 1
+tiny_num_heads: 2
+tasks_per_device: 2
+num_generations: 4
+per_device_train_batch_size: 16
+max_completion_length: 4
+max_env_steps: 5
+logging_steps: 1
+disable_tqdm: true
+"""
 
 
 BAD = [
@@ -60,24 +77,11 @@ def test_a_tiny_run_writes_summary_and_plots(tmp_path, capsys):
 
     from hgpo_trl.cli import main
 
-    config = write(tmp_path, """env_name: keydoor
-action_mode: plain
-invalid_action: end_episode
-num_eval_tasks: 2
+    config = write(tmp_path, TINY_RUN + """invalid_action: end_episode
 warmstart_steps: 3
 warmstart_batch_size: 8
-tiny_hidden_size: 32
-tiny_num_layers: 1
-tiny_num_heads: 2
-tasks_per_device: 2
-num_generations: 4
-per_device_train_batch_size: 16
-max_completion_length: 4
-max_env_steps: 5
 train_iterations: 2
-logging_steps: 1
 save_strategy: "no"
-disable_tqdm: true
 """)
     main(["--config", config])
     out = tmp_path / "out"
@@ -104,24 +108,11 @@ def test_resume_from_checkpoint_continues_the_run(tmp_path):
 
     from hgpo_trl.cli import main
 
-    base = """env_name: keydoor
-action_mode: plain
-num_eval_tasks: 2
-warmstart_steps: 2
+    base = TINY_RUN + """warmstart_steps: 2
 warmstart_batch_size: 8
-tiny_hidden_size: 32
-tiny_num_layers: 1
-tiny_num_heads: 2
-tasks_per_device: 2
-num_generations: 4
-per_device_train_batch_size: 16
-max_completion_length: 4
-max_env_steps: 5
-logging_steps: 1
 save_strategy: steps
 save_steps: 1
 plots: false
-disable_tqdm: true
 """
     main(["--config", write(tmp_path, base + "train_iterations: 2\n")])
     out = tmp_path / "out"
@@ -180,22 +171,10 @@ def test_a_model_folder_loads_through_transformers(tmp_path, tiny_model_path):
 
     from hgpo_trl.cli import main
 
-    config = write(tmp_path, """env_name: keydoor
-action_mode: plain
-num_eval_tasks: 2
-tasks_per_device: 2
-num_generations: 4
-per_device_train_batch_size: 16
-max_completion_length: 4
-max_env_steps: 5
-train_iterations: 1
-logging_steps: 1
+    config = write(tmp_path, TINY_RUN + """train_iterations: 1
 save_strategy: "no"
 plots: false
-disable_tqdm: true
-""")
-    text = (tmp_path / "c.yaml").read_text().replace("model_name_or_path: tiny", f"model_name_or_path: {tiny_model_path}")
-    (tmp_path / "c.yaml").write_text(text)
+""", model=tiny_model_path)
     main(["--config", config])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["optimizer_steps"] == 1 and summary["config"]["model"]["model_name_or_path"] == tiny_model_path
