@@ -75,7 +75,7 @@ class HGPOConfig(GRPOConfig):
         default=None, metadata={"help": "Token budget of a step's prompt: a longer prompt drops its oldest history "
                                         "pairs, then shortens the observation in the middle (metrics prompt/*); "
                                         "the task, admissible actions and format instruction are never cut. "
-                                        "None: no limit."})
+                                        "None: the model's context length minus max_completion_length."})
 
     # Advantages
     estimator: str = field(default="hgpo", metadata={"help": "Advantage estimator: grpo, gigpo, hgpo, progpo or "
