@@ -13,7 +13,6 @@ single spaces. Hence ``decode(encode("go to hall")) == "go to hall"``, while
 ``re.search(r"<action>(.*?)</action>", text)`` followed by ``strip()`` still parses as ``"go to hall"``.
 """
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<un
 TAG_TOKENS = ("<think>", "</think>", "<action>", "</action>", "\n")
 # Role names the chat template writes, so rendered prompts never contain <unk>.
 ROLE_WORDS = ("system", "user", "assistant")
+AUTO_MAP = {"AutoTokenizer": [None, "TokenizersBackend"]}
 
 # ChatML as in Qwen2.5, without Qwen's default system message.
 CHAT_TEMPLATE = (
@@ -49,7 +49,7 @@ def build_tiny_tokenizer(corpus: Iterable[str], extra_words: Iterable[str] = ())
     tokenizer.train_from_iterator([*corpus, *extra_words, *ROLE_WORDS], trainer)
     # Added tokens are matched on the raw text before splitting, so tags stay whole and "\n" survives.
     tokenizer.add_tokens([AddedToken(token, normalized=False) for token in TAG_TOKENS])
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token=IM_END,
         pad_token=PAD,
@@ -57,6 +57,13 @@ def build_tiny_tokenizer(corpus: Iterable[str], extra_words: Iterable[str] = ())
         model_max_length=512,
         chat_template=CHAT_TEMPLATE,
     )
+    # transformers 5.x loads any tokenizer next to a "qwen2" config.json as Qwen2Tokenizer, which rebuilds a
+    # byte-level BPE from the vocab and silently garbles a word-level tokenizer. With this auto_map entry,
+    # AutoTokenizer / AutoProcessor (trust_remote_code=False, the default) use the generic TokenizersBackend,
+    # which reads tokenizer.json as saved. Kept in init_kwargs, every save_pretrained writes it: save_tiny's,
+    # the trainer's checkpoints and its final save_model.
+    fast.init_kwargs["auto_map"] = AUTO_MAP
+    return fast
 
 
 def build_tiny_model(
@@ -102,12 +109,4 @@ def save_tiny(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, direc
     model.config._name_or_path = str(path)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    # transformers 5.x loads any tokenizer next to a "qwen2" config.json as Qwen2Tokenizer, which rebuilds a
-    # byte-level BPE from the vocab and silently garbles a word-level tokenizer. With this auto_map entry,
-    # AutoTokenizer / AutoProcessor (trust_remote_code=False, the default) use the generic TokenizersBackend,
-    # which reads tokenizer.json as saved; trust_remote_code=True would look for remote code and fail.
-    config_file = path / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_file.read_text())
-    tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "TokenizersBackend"]}
-    config_file.write_text(json.dumps(tokenizer_config, indent=2))
     return path

@@ -155,3 +155,21 @@ def test_save_and_reload_offline(model, tokenizer, tmp_path):
     with torch.no_grad():
         assert torch.equal(loaded_model(input_ids).logits, model(input_ids).logits)
     assert loaded_model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_plain_save_pretrained_reloads_as_saved_even_after_a_reload(model, tokenizer, tmp_path):
+    """The trainer saves checkpoints and its final model with save_pretrained, not save_tiny: the tokenizer
+    must still reload as the word-level tokenizer it is (not as a garbled Qwen2 BPE), also when a reloaded
+    tokenizer is saved again, as a resumed run does."""
+    text = "You see a Zebra.\n<action>go to hall</action>"
+    first = tmp_path / "first"
+    model.save_pretrained(first)
+    tokenizer.save_pretrained(first)
+    reloaded = AutoTokenizer.from_pretrained(first, local_files_only=True)
+    second = tmp_path / "second"
+    model.save_pretrained(second)
+    reloaded.save_pretrained(second)
+    for path in (first, second):
+        loaded = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        assert loaded.encode(text) == tokenizer.encode(text)
+        assert loaded.unk_token_id not in loaded.encode("go to hall")
