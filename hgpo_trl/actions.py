@@ -63,6 +63,13 @@ def parse_action(text: str, mode: str = "tags", *, require_think: bool = True, r
     return action
 
 
+def format_action(action: str, mode: str = "tags") -> str:
+    """An answer that `parse_action` reads as `action` in `mode`: what a scripted player (random, expert) outputs."""
+    if mode not in ACTION_MODES:
+        raise ValueError(f"action mode must be one of {ACTION_MODES}, got {mode!r}")
+    return action if mode == "plain" else f"<think> </think><action>{action}</action>"
+
+
 def _drop_think_blocks(text: str) -> str:
     """`text` with every closed `<think>...</think>` block replaced by a space."""
     parts, position = [], 0

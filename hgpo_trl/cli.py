@@ -61,24 +61,33 @@ class ConfigError(ValueError):
 class _Parser(TrlParser):
     def error(self, message: str):
         """argparse would print the whole usage (hundreds of fields) and exit: raise the one line instead."""
-        raise ConfigError(f"{message} (python train.py --help lists every field)")
+        raise ConfigError(f"{message} (python {self.prog} --help lists every field)")
 
 
 def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, ModelConfig]:
     """Parse YAML + overrides; every problem is a ConfigError that names the field, raised before any model
     is loaded."""
+    env_args, args, model_args = parse_sections(argv, (), "train.py")
+    if not model_args.model_name_or_path:
+        raise ConfigError("ModelConfig.model_name_or_path is required: a hub id, a local path, or 'tiny'")
+    return env_args, args, model_args
+
+
+def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -> tuple:
+    """The `extra` dataclasses (a command's own options), then `EnvArguments`, `HGPOConfig` and `ModelConfig`,
+    from a YAML config (`--config`) and command-line overrides, checked as `parse` documents."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    sections = (EnvArguments, HGPOConfig, ModelConfig)
+    sections = (*extra, EnvArguments, HGPOConfig, ModelConfig)
     if "--config" in argv:
         if argv.index("--config") + 1 == len(argv):
             raise ConfigError("--config needs the path of a YAML file")
-        check_yaml_types(argv[argv.index("--config") + 1], sections)
+        check_yaml_types(argv[argv.index("--config") + 1], sections, prog)
     # No abbreviations: a misspelt option fails as a misspelt YAML key does, rather than setting a neighbour.
-    parser = _Parser(sections, prog="train.py", allow_abbrev=False)
+    parser = _Parser(sections, prog=prog, allow_abbrev=False)
     options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
-    check_known([a.split("=")[0] for a in argv if a.startswith("--")], options, "the command line")
+    check_known([a.split("=")[0] for a in argv if a.startswith("--")], options, "the command line", prog)
     try:
-        env_args, args, model_args = parser.parse_args_and_config(args=argv)
+        *parsed, env_args, args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from None
     if isinstance(env_args.task_kwargs, str):
@@ -100,12 +109,10 @@ def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, Mode
     if args.env_name not in registered_envs():
         raise ConfigError(f"HGPOConfig.env_name: unknown environment {args.env_name!r}; "
                           f"registered: {registered_envs()}")
-    if not model_args.model_name_or_path:
-        raise ConfigError("ModelConfig.model_name_or_path is required: a hub id, a local path, or 'tiny'")
-    return env_args, args, model_args
+    return *parsed, env_args, args, model_args
 
 
-def check_yaml_types(path: str, sections: tuple[type, ...]) -> None:
+def check_yaml_types(path: str, sections: tuple[type, ...], prog: str) -> None:
     """A YAML value of the wrong type (a list where a number belongs, ...) fails here with the field's name,
     not later inside a dependency. Strings are left to the parser, which converts and checks them."""
     try:
@@ -117,7 +124,7 @@ def check_yaml_types(path: str, sections: tuple[type, ...]) -> None:
     if not isinstance(config.get("env", {}), dict):
         raise ConfigError(f"env in {path} must be a mapping of environment variables, got {config['env']!r}")
     known = {f.name for section in sections for f in dataclasses.fields(section)} | {"env"}  # env: variables
-    check_known([str(key) for key in config], known, f"config file {path}")
+    check_known([str(key) for key in config], known, f"config file {path}", prog)
     for section in sections:
         hints = typing.get_type_hints(section)
         for f in dataclasses.fields(section):
@@ -129,14 +136,14 @@ def check_yaml_types(path: str, sections: tuple[type, ...]) -> None:
                 raise ConfigError(f"{section.__name__}.{f.name} must be {names}, got {config[f.name]!r} ({path})")
 
 
-def check_known(names: list[str], known: set[str], where: str) -> None:
+def check_known(names: list[str], known: set[str], where: str, prog: str) -> None:
     """A ConfigError naming every unknown key of `where`, each with the closest known one."""
     unknown = [name for name in names if name not in known]
     if unknown:
         named = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, 1))
                  else name for name in unknown]
         raise ConfigError(f"Unknown arguments from {where}: {', '.join(named)}; every key must be a field "
-                          "(python train.py --help lists them)")
+                          f"(python {prog} --help lists them)")
 
 
 def _accepted(hint: Any) -> tuple[type, ...]:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from envs.base import Info
 from envs.pool import EnvBatch, StepResult
 from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, invalid_tail, parse_action
 from hgpo_trl.advantages import StepBatch
@@ -36,6 +37,13 @@ class Completion:
 
 class Policy(Protocol):
     def __call__(self, prompts: list[str]) -> list[Completion]: ...
+
+
+class ScriptedPolicy(Protocol):
+    """A player that reads the live environments' `info` dicts (admissible actions, an expert's next action)
+    instead of the prompts: the reference rows of an evaluation (`run_rollout(..., scripted=True)`)."""
+
+    def __call__(self, prompts: list[str], infos: list[Info]) -> list[Completion]: ...
 
 
 @dataclass
@@ -132,10 +140,11 @@ class Rollout:
                 "prompt/over_budget": sum(r.over_budget for r in self.steps) / count}
 
 
-def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: int, policy: Policy,
-                settings: RolloutSettings, *, keep_going: Callable[[int], bool] | None = None,
-                on_turn: Callable[[int, int], None] | None = None,
-                count_tokens: Callable[[str], int] | None = None) -> Rollout:
+def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: int,
+                policy: Policy | ScriptedPolicy, settings: RolloutSettings, *,
+                keep_going: Callable[[int], bool] | None = None, on_turn: Callable[[int, int], None] | None = None,
+                on_episode_end: Callable[[Episode], None] | None = None,
+                count_tokens: Callable[[str], int] | None = None, scripted: bool = False) -> Rollout:
     """Play every task `group_size` times (environment g * group_size + j plays tasks[g]) until all episodes end.
 
     `envs` holds at least len(tasks) * group_size environments (in this process or in worker processes);
@@ -143,8 +152,9 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
     local number of live episodes; under a collective generation backend it must agree across processes (the
     trainer all-reduces it), and a turn with no local live episode still calls the policy with an empty list.
     An environment fault (an exception, a hang, a dead worker) aborts its episode: it is marked `fault` and
-    its steps leave the training batch. `on_turn(turn, live)` reports progress. With
-    `settings.max_prompt_tokens`, every prompt is fitted to it (`memory.fit_prompt`) as `count_tokens` counts.
+    its steps leave the training batch. `on_turn(turn, live)` reports progress, `on_episode_end(episode)` each
+    episode as it ends. With `settings.max_prompt_tokens`, every prompt is fitted to it (`memory.fit_prompt`) as
+    `count_tokens` counts. `scripted=True` calls `policy(prompts, infos)` (a `ScriptedPolicy`).
     """
     if settings.max_prompt_tokens is not None and count_tokens is None:
         raise ValueError("RolloutSettings.max_prompt_tokens needs count_tokens (the policy's prompt token count)")
@@ -164,9 +174,16 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
     infos = [r.info for r in resets]
     task_texts = [info.get("task", "") for info in infos]
     done = [False] * count
+
+    def end(i: int) -> None:
+        done[i] = True
+        if on_episode_end is not None:
+            on_episode_end(episodes[i])
+
     for i, result in enumerate(resets):
         if result.fault is not None:
-            episodes[i].fault, done[i] = result.fault, True
+            episodes[i].fault = result.fault
+            end(i)
     records: list[StepRecord] = []
     turn = 0
     while keep_going(live := done.count(False)):
@@ -187,7 +204,7 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
             prompts.append(fit.text)
             fitted.append(fit)
         tick = time.perf_counter()
-        completions = policy(prompts)
+        completions = policy(prompts, [infos[i] for i in active]) if scripted else policy(prompts)
         generation_seconds += time.perf_counter() - tick
         if len(completions) != len(prompts):
             raise RuntimeError(f"the policy returned {len(completions)} completions for {len(prompts)} prompts")
@@ -221,11 +238,12 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
                 episode.score = float(result.info["score"])
             observations[i], infos[i] = result.observation, result.info
             if result.fault is not None:
-                episode.fault, done[i] = result.fault, True
+                episode.fault = result.fault
+                end(i)
             elif result.terminated or result.truncated or episode.steps >= settings.max_steps:
-                done[i] = True
                 episode.terminated = bool(result.terminated)
                 episode.truncated = not result.terminated
+                end(i)
         turn += 1
     faulted = {e.traj for e in episodes if e.fault is not None}
     return Rollout(steps=[r for r in records if r.traj not in faulted], episodes=episodes,

@@ -1,0 +1,238 @@
+"""hgpo-eval / evaluate.py: results per split, seed and task type; reference players; model paths; errors."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from importlib.machinery import ModuleSpec
+from importlib.util import find_spec
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from envs import make_tasks
+from envs.alfworld import TASK_TYPES
+from hgpo_trl import evaluate
+from hgpo_trl.tiny import build_tiny_model, save_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("ALFWORLD_DATA") or ROOT.parent / "shared" / "data" / "alfworld")
+needs_alfworld = pytest.mark.skipif(not DATA.is_dir() or find_spec("alfworld") is None,
+                                    reason=f"needs the alfworld package and ALFWorld data at {DATA}")
+
+# The tiny model on a few keydoor tasks: each evaluation takes a second or two.
+KEYDOOR = """env_name: keydoor
+task_kwargs: {"num_rooms": 3, "num_colors": 3}
+action_mode: plain
+max_env_steps: 4
+max_completion_length: 4
+num_eval_tasks: 3
+tiny_hidden_size: 32
+tiny_num_layers: 1
+tiny_num_heads: 2
+"""
+
+
+def config(tmp_path, text, model="tiny"):
+    path = tmp_path / "eval.yaml"
+    path.write_text(f"model_name_or_path: {model}\noutput_dir: {tmp_path}/run\nreport_to: none\nuse_cpu: true\n"
+                    f"disable_tqdm: true\n{text}")
+    return str(path)
+
+
+def evaluation(tmp_path, *argv, text=KEYDOOR, model="tiny", out="eval"):
+    """Run hgpo-eval in this process; (report, Markdown table) from its output folder."""
+    evaluate.main(["--config", config(tmp_path, text, model), "--eval_output_dir", str(tmp_path / out), *argv])
+    return (json.loads((tmp_path / out / "evaluation.json").read_text()),
+            (tmp_path / out / "evaluation.md").read_text())
+
+
+def test_tiny_model_on_keydoor_writes_json_and_markdown_per_seed(tmp_path, capsys):
+    report, table = evaluation(tmp_path, "--seeds", "1", "2")
+    assert {k: report[k] for k in ("env", "model", "backend", "temperature", "seeds", "max_env_steps")} == {
+        "env": "keydoor", "model": "tiny", "backend": "transformers", "temperature": 0.4, "seeds": [1, 2],
+        "max_env_steps": 4}
+    [result] = report["results"]
+    assert {k: result[k] for k in ("policy", "split", "label", "tasks")} == {
+        "policy": "model", "split": "valid", "label": None, "tasks": 3}
+    rates = [row["success_rate"] for row in result["seeds"]]
+    assert [row["seed"] for row in result["seeds"]] == [1, 2]
+    assert result["success_rate"] == pytest.approx({"mean": sum(rates) / 2, "std": abs(rates[0] - rates[1]) / 2})
+    for row in result["seeds"]:
+        assert set(row) == {"seed", "success_rate", "episode_length", "invalid_rate", "faults"}
+        assert 1 <= row["episode_length"] <= 4 and 0 <= row["invalid_rate"] <= 1 and row["faults"] == 0
+    assert "task_types" not in result and "score" not in result  # keydoor tasks have no type, no score
+    lines = table.splitlines()
+    assert "| policy | split | seed | tasks | success |" in lines
+    assert [line.split(" | ")[2] for line in lines if line.startswith("| model")] == ["1", "2", "mean ± std"]
+    assert "model on valid: success" in capsys.readouterr().out
+
+
+def test_a_seed_gives_the_same_games_and_another_seed_others(tmp_path):
+    """The same seed twice: the same model outputs and random moves; another seed: other outputs."""
+    sampled = KEYDOOR + "eval_temperature: 1.0\ntrajectory_dump_every: 1\n"
+    runs = {name: evaluation(tmp_path, "--policy", "model", "random", "--seeds", seed, text=sampled, out=name)[0]
+            for name, seed in (("first", "5"), ("again", "5"), ("other", "6"))}
+    dumps = {name: {policy: (tmp_path / name / "trajectories" / f"{policy}_valid_seed{seed}.jsonl").read_text()
+                    for policy in ("model", "random")}
+             for name, seed in (("first", 5), ("again", 5), ("other", 6))}
+    assert dumps["first"] == dumps["again"] and runs["first"]["results"] == runs["again"]["results"]
+    assert dumps["first"]["model"] != dumps["other"]["model"]
+
+
+def test_random_player_on_keydoor_plays_only_admissible_actions(tmp_path):
+    report, table = evaluation(tmp_path, "--policy", "random", "--seeds", "1", "2", "--num_eval_tasks", "20")
+    assert report["model"] is None and report["backend"] is None  # no model was loaded
+    [result] = report["results"]
+    assert result["policy"] == "random" and result["tasks"] == 11  # every validation task of the 3x3 pools
+    # Every keydoor episode of admissible actions ends at the door on step 4; a random door is right 1 time in 4.
+    assert all(row["invalid_rate"] == 0 and row["episode_length"] == 4 for row in result["seeds"])
+    assert 0 < result["success_rate"]["mean"] < 0.6
+    assert "| random | valid | mean ± std | 11 |" in table
+
+
+@needs_alfworld
+def test_random_player_on_real_alfworld_games_per_task_type(tmp_path):
+    text = f"""env_name: alfworld
+env_kwargs: {{"data_path": "{DATA}", "cache_dir": "{tmp_path / 'cache'}"}}
+task_kwargs: {{"data_path": "{DATA}", "seed": 0}}
+env_workers: 0
+num_eval_tasks: 2
+max_env_steps: 3
+"""
+    report, table = evaluation(tmp_path, "--policy", "random", "--seeds", "1", text=text)
+    results = {r["split"]: r for r in report["results"]}
+    assert list(results) == ["valid_seen", "valid_unseen"]  # the paper's two ALFWorld evaluations
+    assert results["valid_seen"]["label"] == "in-distribution"
+    assert results["valid_unseen"]["label"] == "out-of-distribution"
+    for split, result in results.items():
+        types = make_tasks("alfworld", split, data_path=DATA, seed=0, num_tasks=2)["task_type"]
+        assert set(result["task_types"]) == set(types) and set(types) <= set(TASK_TYPES)
+        assert sum(t["tasks"] for t in result["task_types"].values()) == 2
+        assert set(result["seeds"][0]["task_types"]) == set(types)
+        [row] = result["seeds"]
+        assert row["episode_length"] == 3 and row["invalid_rate"] == 0 and row["faults"] == 0
+    header = next(line for line in table.splitlines() if line.startswith("| policy"))
+    assert all(t in header for r in results.values() for t in r["task_types"])
+    assert "valid_unseen (out-of-distribution)" in table
+
+
+@needs_alfworld
+def test_expert_player_wins_real_alfworld_games(tmp_path):
+    """ALFWorld's handcoded expert, through the rollout: it wins the first two valid_unseen games
+    (look_at_obj_in_light), in 12 steps each."""
+    text = f"""env_name: alfworld
+env_kwargs: {{"data_path": "{DATA}", "cache_dir": "{tmp_path / 'cache'}"}}
+task_kwargs: {{"data_path": "{DATA}"}}
+env_workers: 0
+num_eval_tasks: 2
+max_env_steps: 50
+"""
+    report, _ = evaluation(tmp_path, "--policy", "expert", "--seeds", "123", "--splits", "valid_unseen", text=text)
+    [result] = report["results"]
+    assert result["success_rate"] == {"mean": 1.0, "std": 0.0}
+    assert result["task_types"] == {"look_at_obj_in_light": {"tasks": 2, "mean": 1.0, "std": 0.0}}
+    assert result["seeds"][0]["episode_length"] < 20 and result["seeds"][0]["invalid_rate"] == 0
+
+
+def test_lora_adapter_folder_is_merged_and_evaluated(tmp_path, tiny_tokenizer):
+    base = save_tiny(build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2), tiny_tokenizer,
+                     tmp_path / "base")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(base), lora)
+    with torch.no_grad():  # B starts at 0 (a no-op adapter): make it matter
+        for name, param in adapter.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    adapter.save_pretrained(tmp_path / "adapter")
+    tiny_tokenizer.save_pretrained(tmp_path / "adapter")  # as TRL saves a LoRA run
+    report, _ = evaluation(tmp_path, "--seeds", "1", model=tmp_path / "adapter")
+    assert report["model"] == str(tmp_path / "adapter") and report["results"][0]["tasks"] == 3
+
+    args = evaluate.prepare(["--config", config(tmp_path, KEYDOOR, tmp_path / "adapter")])
+    model, tokenizer = evaluate.load_model(args.model_args, args.env_args, args.args)
+    ids = torch.tensor([tiny_tokenizer.encode("you are in the hall . go to vault")])
+    assert tokenizer.encode("go to vault") == tiny_tokenizer.encode("go to vault")
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+
+
+def test_a_checkpoint_saved_by_a_run_keeps_its_word_level_tokenizer(tmp_path, tiny_tokenizer):
+    """A run saves the tiny tokenizer without save_tiny's auto_map: AutoTokenizer would read it as Qwen2's BPE."""
+    folder = tmp_path / "checkpoint-2"
+    build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    text = "You are in the hall. go to vault"
+    assert evaluate.load_tokenizer(str(folder)).encode(text) == tiny_tokenizer.encode(text)
+
+
+ERRORS = [
+    pytest.param(["--model_name_or_path", "{tmp}/run/checkpoint-5"], "model_name_or_path: .*checkpoint-5 does not exist",
+                 id="missing-checkpoint"),
+    pytest.param(["--model_name_or_path", "{tmp}"], r"holds no model \(config.json\) and no LoRA adapter",
+                 id="folder-without-model"),
+    pytest.param(["--env_name", "minecraft"], "unknown environment 'minecraft'", id="unknown-env"),
+    pytest.param(["--splits", "valid_seen"], "environment 'keydoor' has no split 'valid_seen'", id="missing-split"),
+    pytest.param(["--policy", "expert"], "environment 'keydoor' has no scripted expert", id="no-expert"),
+    pytest.param(["--policy", "smart"], "policy must be one or more of", id="unknown-policy"),
+    pytest.param(["--seeds", "1", "1"], "seeds must be one or more distinct integers", id="repeated-seed"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), ERRORS)
+def test_bad_input_is_one_line_and_exit_code_2_before_any_model_loads(tmp_path, capsys, monkeypatch, argv, message):
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(evaluate, "model_policy", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--config", config(tmp_path, KEYDOOR), *[a.format(tmp=tmp_path) for a in argv]])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("evaluate.py: configuration error: ")
+    assert re.search(message, err), err
+
+
+def test_evaluate_py_at_the_repository_root(tmp_path):
+    """The command a user types: the random player needs no model, and bad input exits with code 2."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(ROOT / "evaluate.py"), "--config", config(tmp_path, KEYDOOR), "--policy", "random",
+               "--eval_output_dir", str(tmp_path / "eval")]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "random on valid: success" in result.stdout and (tmp_path / "eval" / "evaluation.md").is_file()
+    bad = subprocess.run([*command, "--splits", "train", "nope"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "has no split 'nope'" in bad.stderr
+
+
+def test_use_vllm_on_a_gpu_generates_through_vllm(tmp_path, tiny_model_path, monkeypatch):
+    """No GPU here: a stand-in for vLLM records what the evaluation asks of it (the real one runs on GPU machines)."""
+    calls = {"prompts": [], "params": []}
+
+    class LLM:
+        def __init__(self, **options):
+            calls["options"] = options
+
+        def generate(self, prompts, params, use_tqdm):
+            calls["prompts"] += prompts
+            calls["params"] += params
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3, 2])]) for _ in prompts]  # <unk>, <|im_end|>
+
+    vllm = ModuleType("vllm")
+    vllm.__spec__ = ModuleSpec("vllm", None)  # what HGPOConfig's check of the extra finds
+    vllm.LLM, vllm.SamplingParams = LLM, dict
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    report, _ = evaluation(tmp_path, "--seeds", "1", "--use_vllm", "true", model=tiny_model_path)
+    assert report["backend"] == "vllm"
+    assert calls["options"]["model"] == tiny_model_path and calls["options"]["skip_tokenizer_init"]
+    assert all(set(prompt) == {"prompt_token_ids"} for prompt in calls["prompts"])
+    assert {(p["temperature"], p["max_tokens"], tuple(p["stop_token_ids"])) for p in calls["params"]} == {(0.4, 4, (2,))}
+    assert len({p["seed"] for p in calls["params"]}) == len(calls["params"])  # each request its own seed
