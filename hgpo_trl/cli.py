@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import itertools
 import json
+import os
 import sys
 import time
 import types
@@ -52,6 +55,11 @@ class EnvArguments:
     tiny_num_layers: int = field(default=2, metadata={"help": "model_name_or_path=tiny: layers."})
     tiny_num_heads: int = field(default=4, metadata={"help": "model_name_or_path=tiny: attention heads."})
     plots: bool = field(default=True, metadata={"help": "Write PNG plots of the run to output_dir."})
+    env_modules: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Python modules imported before env_name is looked up, for environments and estimators "
+                          "of your own: each calls envs.register_env / register_estimator when imported "
+                          "(docs/byo_env.md). Resolved from the working directory and sys.path."})
 
 
 class ConfigError(ValueError):
@@ -82,6 +90,8 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
         if argv.index("--config") + 1 == len(argv):
             raise ConfigError("--config needs the path of a YAML file")
         check_yaml_types(argv[argv.index("--config") + 1], sections, prog)
+    # Before parsing: HGPOConfig checks `estimator` against the registered estimators as it is built.
+    import_env_modules(requested_env_modules(argv))
     # No abbreviations: a misspelt option fails as a misspelt YAML key does, rather than setting a neighbour.
     parser = _Parser(sections, prog=prog, allow_abbrev=False)
     options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
@@ -110,6 +120,27 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
         raise ConfigError(f"HGPOConfig.env_name: unknown environment {args.env_name!r}; "
                           f"registered: {registered_envs()}")
     return *parsed, env_args, args, model_args
+
+
+def requested_env_modules(argv: list[str]) -> list[str]:
+    """`env_modules` from the YAML config, or from the command line, which wins (read ahead of the parser)."""
+    names: Any = []
+    if "--config" in argv:
+        names = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()).get("env_modules") or []
+    if "--env_modules" in argv:
+        names = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[argv.index("--env_modules") + 1:]))
+    return [names] if isinstance(names, str) else list(names)
+
+
+def import_env_modules(names: list[str]) -> None:
+    """Import each module of `EnvArguments.env_modules` (they register environments and estimators)."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # `python train.py` puts the script's folder first, not the working one
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # any failure of the user's module is reported as its own, in one line
+            raise ConfigError(f"EnvArguments.env_modules: cannot import {name!r}: {type(err).__name__}: {err}") from None
 
 
 def check_yaml_types(path: str, sections: tuple[type, ...], prog: str) -> None:

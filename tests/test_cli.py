@@ -1,5 +1,8 @@
 """train.py's configuration: every shipped YAML parses, and bad input stops early with a message naming the field."""
 
+import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +181,74 @@ plots: false
     main(["--config", config])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["optimizer_steps"] == 1 and summary["config"]["model"]["model_name_or_path"] == tiny_model_path
+
+
+MY_ENVS = '''
+from envs import register_env
+from envs.keydoor import KeyDoorEnv, keydoor_tasks
+from hgpo_trl.advantages import compute_advantages, register_estimator
+
+CALLS = []
+
+
+def my_grpo(batch, **options):
+    CALLS.append(len(batch.reward))
+    return compute_advantages("grpo", batch)
+
+
+register_env("my_keydoor", KeyDoorEnv, keydoor_tasks, fast=True)
+register_estimator("my_grpo", my_grpo)
+'''
+
+
+@pytest.fixture
+def own_registries(monkeypatch):
+    """Registries restored after the test: what a user's module registers does not leak into other tests."""
+    import envs.registry
+    import hgpo_trl.advantages
+
+    monkeypatch.setattr(envs.registry, "_REGISTRY", dict(envs.registry._REGISTRY))
+    monkeypatch.setattr(hgpo_trl.advantages, "ESTIMATORS", dict(hgpo_trl.advantages.ESTIMATORS))
+    monkeypatch.setattr("hgpo_trl.config.ESTIMATORS", hgpo_trl.advantages.ESTIMATORS)
+    yield
+    for name in [m for m in sys.modules if m.startswith("my_envs_")]:
+        del sys.modules[name]
+
+
+@pytest.mark.parametrize("where", ["yaml", "command line"])
+def test_env_modules_register_an_environment_and_an_estimator_before_parsing(tmp_path, monkeypatch, own_registries,
+                                                                               where):
+    from hgpo_trl.cli import main
+
+    module = f"my_envs_{where.replace(' ', '_')}"
+    (tmp_path / f"{module}.py").write_text(MY_ENVS)
+    monkeypatch.chdir(tmp_path)  # a module in the working directory, as a user keeps one beside the config
+    config = TINY_RUN.replace("env_name: keydoor", "env_name: my_keydoor") + (
+        "estimator: my_grpo\nwarmstart_steps: 2\nwarmstart_batch_size: 8\ntrain_iterations: 1\nplots: false\n"
+        'save_strategy: "no"\n')
+    if where == "yaml":
+        main(["--config", write(tmp_path, config + f"env_modules: [{module}]\n")])
+    else:
+        main(["--config", write(tmp_path, config), "--env_modules", module])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["config"]["trainer"]["env_name"] == "my_keydoor" and summary["iterations"] == 1
+    assert sys.modules[module].CALLS, "the registered estimator computed the advantages"
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    (None, r"EnvArguments.env_modules: cannot import 'my_envs_missing': ModuleNotFoundError"),
+    ("raise RuntimeError('no licence key')\n",
+     r"EnvArguments.env_modules: cannot import 'my_envs_missing': RuntimeError: no licence key"),
+])
+def test_an_env_module_that_fails_to_import_is_one_line_naming_it(tmp_path, monkeypatch, capsys, own_registries,
+                                                                    source, message):
+    from hgpo_trl.cli import main
+
+    if source is not None:
+        (tmp_path / "my_envs_missing.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", write(tmp_path, TINY_RUN), "--env_modules", "my_envs_missing"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert re.search(message, err) and "\n" not in err
