@@ -1,0 +1,71 @@
+"""benchmarks/learning.py on a tiny override of the quickstart: two estimators, one seed, two iterations."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+# Seconds, not hours: a small model, a 5-step warm start, 2 tasks x 4 rollouts, 4 validation tasks every iteration.
+TINY = ["--config", str(QUICKSTART), "--estimators", "grpo", "hgpo_k2", "--seeds", "0", "--iterations", "2",
+        "--eval_steps", "1", "--num_eval_tasks", "4", "--warmstart_steps", "5", "--warmstart_batch_size", "8",
+        "--tiny_hidden_size", "32", "--tiny_num_layers", "1", "--tiny_num_heads", "2", "--tasks_per_device", "2",
+        "--num_generations", "4", "--per_device_train_batch_size", "16", "--report_to", "none",
+        "--disable_tqdm", "true"]
+
+
+def test_learning_curves_resume_and_results_section(tmp_path, capsys):
+    from benchmarks.learning import END, HEADING, START, main, update_results
+
+    out = tmp_path / "out"
+    main([*TINY, "--output_dir", str(out)])
+    curves = json.loads((out / "curves.json").read_text())
+    runs = curves["runs"]
+    assert set(runs) == {"grpo/seed0", "hgpo_k2/seed0"}
+    for run in runs.values():
+        assert [t["iteration"] for t in run["train"]] == [1, 2]
+        assert [e["iteration"] for e in run["eval"]] == [0, 1, 2]  # 0: the warm start, then every iteration
+        assert all(0 <= point["success"] <= 1 for point in run["train"] + run["eval"])
+        assert run["config"]["trainer"]["estimator"] == run["options"]["estimator"] and run["wall_seconds"] > 0
+    assert runs["hgpo_k2/seed0"]["config"]["trainer"]["hierarchy_depth"] == 2
+    # Both estimators started from the one warm start of seed 0: same weights, same greedy validation.
+    assert {run["warmstart_sha256"] for run in runs.values()} == {curves["warmstarts"]["0"]["sha256"]}
+    assert runs["grpo/seed0"]["eval"][0] == runs["hgpo_k2/seed0"]["eval"][0]
+    assert "--iterations 2" in curves["command"] and curves["config"]["config_yaml"] == QUICKSTART.read_text()
+    markdown = (out / "learning.md").read_text()
+    assert "| grpo | 1 | " in markdown and "| hgpo_k2 | 1 | " in markdown and "not reached" in markdown
+    assert (out / "learning.png").stat().st_size > 0
+    assert "| estimator | seeds | final validation success |" in capsys.readouterr().out
+
+    # --resume: only the run missing from curves.json trains, from the saved warm start (not rebuilt).
+    kept = runs["grpo/seed0"]
+    del runs["hgpo_k2/seed0"]
+    (out / "curves.json").write_text(json.dumps(curves))
+    results = tmp_path / "results.md"
+    results.write_text(f"# Results\n\nabove\n\n{START}\nold table\n{END}\n\nbelow\n")
+    main([*TINY, "--output_dir", str(out), "--resume", "--update-results", "--results_file", str(results)])
+    printed = capsys.readouterr().out
+    assert "grpo seed 0: in" in printed and "reused" in printed and "run 1/1 hgpo_k2 seed 0" in printed
+    resumed = json.loads((out / "curves.json").read_text())
+    assert resumed["runs"]["grpo/seed0"] == kept
+    assert resumed["runs"]["hgpo_k2/seed0"]["warmstart_sha256"] == kept["warmstart_sha256"]
+
+    # --update-results rewrote the marked section only.
+    text = results.read_text()
+    assert text.startswith(f"# Results\n\nabove\n\n{START}\n") and text.endswith(f"{END}\n\nbelow\n")
+    assert "old table" not in text and "| hgpo_k2 | 1 | " in text and "](learning_curves.png)" in text
+    # ...and put the plot beside the results file, where the committed link finds it (outputs/ is untracked).
+    assert (results.parent / "learning_curves.png").read_bytes() == (out / "learning.png").read_bytes()
+    # A results file without the markers gets them at its end, under the heading; the rest is untouched.
+    copy = tmp_path / "results_copy.md"
+    shutil.copy(ROOT / "docs" / "results.md", copy)
+    update_results(copy, resumed, out / "learning.png", 0.9)
+    original = (ROOT / "docs" / "results.md").read_text()
+    assert copy.read_text().startswith(original.rstrip() + f"\n\n{HEADING}\n\n{START}\n")
+    assert copy.read_text().endswith(f"{END}\n")
+
+    # --resume refuses to mix runs made with other settings.
+    with pytest.raises(SystemExit, match="another config"):
+        main([*TINY, "--output_dir", str(out), "--resume", "--learning_rate", "1e-4"])
