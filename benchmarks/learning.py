@@ -34,7 +34,6 @@ import shlex
 import shutil
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +47,7 @@ import torch
 from transformers import PrinterCallback, ProgressCallback
 from trl import get_peft_config
 
-from envs import make_env
-from hgpo_trl.cli import ConfigError, load_model, load_tasks, parse
+from hgpo_trl.cli import ConfigError, load_model, load_tasks, parse, run_warm_start
 from hgpo_trl.reporting import IterationLine
 from hgpo_trl.tiny import save_tiny
 
@@ -94,22 +92,12 @@ def weights_sha256(model) -> str:
 
 def build_warm_start(settings: dict[str, Any], seed: int, folder: Path) -> dict[str, Any]:
     """The model and the warm start of hgpo_trl.cli.run for this seed, saved to `folder` for every estimator."""
-    from hgpo_trl.warmstart import warm_start
-
     env_args, args, model_args = parse(config_argv(settings, folder, seed))
     tick = time.time()
     train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)
     model, tokenizer = load_model(model_args, env_args, args, train_tasks)
-    metrics = {}
-    if env_args.warmstart_steps > 0:
-        # The same call as hgpo_trl.cli.run makes (it is inline there, not a function this script could call).
-        metrics = warm_start(model, tokenizer, partial(make_env, args.env_name, **(args.env_kwargs or {})),
-                             list(train_tasks), steps=env_args.warmstart_steps, output_dir=str(folder / "sft"),
-                             history_length=args.history_length, max_steps=args.max_env_steps,
-                             action_mode=args.action_mode, format_instruction=args.format_instruction,
-                             batch_size=env_args.warmstart_batch_size,
-                             learning_rate=env_args.warmstart_learning_rate, seed=args.seed,
-                             use_cpu=args.use_cpu, progress=not args.disable_tqdm)
+    metrics = run_warm_start(model, tokenizer, env_args, args, train_tasks, folder / "sft") \
+        if env_args.warmstart_steps > 0 else {}
     save_tiny(model, tokenizer, folder)  # save_pretrained of both: any model, not only the tiny one
     record = {"seed": seed, "path": str(folder), "sha256": weights_sha256(model),
               "seconds": round(time.time() - tick, 1), **metrics}

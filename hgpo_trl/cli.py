@@ -224,6 +224,19 @@ def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig
     return model, tokenizer
 
 
+def run_warm_start(model, tokenizer, env_args: EnvArguments, args: HGPOConfig, train_tasks, output_dir: Path
+                   ) -> dict[str, float]:
+    """The configured supervised warm start of `model` (in place) on random admissible actions; its metrics."""
+    from hgpo_trl.warmstart import warm_start
+
+    return warm_start(model, tokenizer, partial(make_env, args.env_name, **(args.env_kwargs or {})),
+                      list(train_tasks), steps=env_args.warmstart_steps, output_dir=str(output_dir),
+                      history_length=args.history_length, max_steps=args.max_env_steps,
+                      action_mode=args.action_mode, format_instruction=args.format_instruction,
+                      batch_size=env_args.warmstart_batch_size, learning_rate=env_args.warmstart_learning_rate,
+                      seed=args.seed, use_cpu=args.use_cpu, progress=not args.disable_tqdm)
+
+
 def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> dict[str, Any]:
     from hgpo_trl.trainer import HGPOTrainer
 
@@ -233,16 +246,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     model, tokenizer = load_model(model_args, env_args, args, train_tasks)
     warmstart = {}
     if env_args.warmstart_steps > 0 and not args.resume_from_checkpoint:
-        from hgpo_trl.warmstart import warm_start
-
-        warmstart = warm_start(model, tokenizer, partial(make_env, args.env_name, **(args.env_kwargs or {})),
-                               list(train_tasks), steps=env_args.warmstart_steps,
-                               output_dir=str(Path(args.output_dir) / "warmstart"),
-                               history_length=args.history_length, max_steps=args.max_env_steps,
-                               action_mode=args.action_mode, format_instruction=args.format_instruction,
-                               batch_size=env_args.warmstart_batch_size,
-                               learning_rate=env_args.warmstart_learning_rate, seed=args.seed,
-                               use_cpu=args.use_cpu, progress=not args.disable_tqdm)
+        warmstart = run_warm_start(model, tokenizer, env_args, args, train_tasks, Path(args.output_dir) / "warmstart")
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args),
                           callbacks=[IterationLine()])
