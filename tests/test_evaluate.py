@@ -236,3 +236,44 @@ def test_use_vllm_on_a_gpu_generates_through_vllm(tmp_path, tiny_model_path, mon
     assert all(set(prompt) == {"prompt_token_ids"} for prompt in calls["prompts"])
     assert {(p["temperature"], p["max_tokens"], tuple(p["stop_token_ids"])) for p in calls["params"]} == {(0.4, 4, (2,))}
     assert len({p["seed"] for p in calls["params"]}) == len(calls["params"])  # each request its own seed
+
+
+def test_random_player_on_the_generated_webshop_reports_score_and_success(tmp_path):
+    shop = "env_name: webshop\naction_mode: plain\nmax_env_steps: 6\nnum_eval_tasks: 4\n"
+    report, table = evaluation(tmp_path, "--policy", "random", "--seeds", "1", "2", text=shop)
+    [result] = report["results"]
+    assert result["split"] == "test" and result["tasks"] == 4  # the goals WebShop's baselines report on
+    for row in result["seeds"]:
+        assert 0 <= row["success_rate"] <= row["score"] <= 1  # a success is a purchase scored 1
+    assert set(result["score"]) == {"mean", "std"} and "| random | test |" in table
+
+
+def test_hgpo_eval_plays_the_same_games_as_the_trainers_evaluation(tmp_path, tiny_model_path, tiny_tokenizer):
+    """Greedy, same model and tasks: hgpo-eval's prompts and raw outputs are the trainer's, step for step."""
+    from transformers import AutoModelForCausalLM
+
+    from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.trainer import HGPOTrainer
+    from hgpo_trl.trajectories import read_records
+
+    # Outputs stay invalid but episodes go on ("noop"): every step of the 4 compares a free-text output.
+    settings = {"action_mode": "plain", "max_env_steps": 4, "max_completion_length": 4, "invalid_action": "noop",
+                "admissible_only": False, "trajectory_dump_every": 1}
+    text = KEYDOOR + "".join(f"{k}: {str(v).lower()}\n" for k, v in settings.items())
+    evaluation(tmp_path, "--greedy", "--seeds", "1", model=tiny_model_path, text=text)
+    ours = read_records(tmp_path / "eval" / "trajectories" / "model_valid_seed1.jsonl")
+
+    tasks = make_tasks("keydoor", "valid", num_rooms=3, num_colors=3).select(range(3))
+    args = HGPOConfig(output_dir=str(tmp_path / "trainer"), report_to="none", use_cpu=True, disable_tqdm=True,
+                      eval_temperature=0.0, per_device_train_batch_size=8, num_generations=2, **settings)
+    trainer = HGPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path), args=args,
+                          processing_class=tiny_tokenizer, train_dataset=tasks, eval_dataset=tasks)
+    metrics = trainer.evaluate()
+    [dump] = (tmp_path / "trainer" / "trajectories").glob("eval_*.jsonl")
+    theirs = read_records(dump)
+    key = lambda r: (json.dumps(r["task"], sort_keys=True), r["t"])  # noqa: E731
+    assert len(ours) == len(theirs) == 3 * 4
+    assert [(r["prompt"], r["output"]) for r in sorted(ours, key=key)] == \
+           [(r["prompt"], r["output"]) for r in sorted(theirs, key=key)]
+    assert metrics["eval_success_rate"] == 0.0 == json.loads(
+        (tmp_path / "eval" / "evaluation.json").read_text())["results"][0]["success_rate"]["mean"]
