@@ -182,13 +182,14 @@ def table(data: dict[str, Any], target: float) -> str:
              "|---|---|---|---|---|---|"]
     for name, runs in by_estimator(data).items():
         final = np.array([r["eval"][-1]["success"] for r in runs])
-        std = final.std(ddof=1) if len(final) > 1 else 0.0  # over seeds: the sample std
+        # Over seeds, the sample std; one seed has none to show.
+        final_text = f"{final.mean():.2f} ± {final.std(ddof=1):.2f}" if len(final) > 1 else f"{final[0]:.2f}"
         best = max(e["success"] for r in runs for e in r["eval"])
         reached = [it for r in runs if (it := first_reach(r, target)) is not None]
         to_target = f"{np.mean(reached):.0f} ({len(reached)}/{len(runs)} seeds)" if reached else "not reached"
         wall = np.mean([r["wall_seconds"] for r in runs])
         wall_text = f"{wall:.1f} s" if wall < 10 else f"{wall:.0f} s" if wall < 120 else f"{wall / 60:.1f} min"
-        lines.append(f"| {name} | {len(runs)} | {final.mean():.2f} ± {std:.2f} | {best:.2f} | {to_target} | "
+        lines.append(f"| {name} | {len(runs)} | {final_text} | {best:.2f} | {to_target} | "
                      f"{wall_text} |")
     return "\n".join(lines)
 
