@@ -198,7 +198,10 @@ class HGPOTrainer(GRPOTrainer):
             return
         config = copy.deepcopy(self.generation_config)
         config.do_sample = temperature > 0
-        config.temperature = temperature if temperature > 0 else 1.0
+        if not config.do_sample:  # greedy: sampling settings (TRL's top_k 0 among them) would only draw warnings
+            config.temperature, config.top_k = 1.0, None
+        else:
+            config.temperature = temperature
         with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                           gather_deepspeed3_params=self.args.ds3_gather_for_generation,
                                           generation_kwargs=self.generation_kwargs,
