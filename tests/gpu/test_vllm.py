@@ -79,3 +79,22 @@ def test_server(tmp_path, model_path):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_hgpo_eval_generates_with_vllm_and_a_seed_repeats(tmp_path, model_path):
+    """hgpo-eval with use_vllm on a GPU: vLLM generates, and the same seed gives the same results."""
+    import json
+
+    from hgpo_trl import evaluate
+
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"model_name_or_path: {model_path}\noutput_dir: {tmp_path}/run\nreport_to: none\n"
+                      "env_name: keydoor\naction_mode: plain\nmax_env_steps: 5\nmax_completion_length: 4\n"
+                      "num_eval_tasks: 4\nuse_vllm: true\nbf16: false\nvllm_gpu_memory_utilization: 0.2\n"
+                      "vllm_max_model_length: 512\neval_temperature: 1.0\n")
+    reports = []
+    for name in ("first", "again"):
+        evaluate.main(["--config", str(config), "--seeds", "7", "--eval_output_dir", str(tmp_path / name)])
+        reports.append(json.loads((tmp_path / name / "evaluation.json").read_text()))
+    assert reports[0]["backend"] == "vllm" and reports[0]["results"][0]["tasks"] == 4
+    assert reports[0]["results"] == reports[1]["results"]
