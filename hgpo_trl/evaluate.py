@@ -43,6 +43,7 @@ from hgpo_trl.cli import TINY, ConfigError, EnvArguments, load_tasks, parse_sect
 from hgpo_trl.cli import load_model as build_training_model
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
+from hgpo_trl.generation import encode_prompt, generate_completions
 from hgpo_trl.rollout import Completion, Episode, Policy, RolloutSettings, ScriptedPolicy, run_rollout
 from hgpo_trl.trajectories import TASK_TYPE_FIELDS, rollout_records, write_records
 
@@ -183,11 +184,7 @@ class ModelPolicy:
         self._encoded: dict[str, list[int]] = {}
 
     def encode(self, text: str) -> list[int]:
-        if self.tokenizer.chat_template is None:
-            return self.tokenizer(text, add_special_tokens=True)["input_ids"]
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=True,
-                                                  **self.chat_template_kwargs)["input_ids"]
+        return encode_prompt(self.tokenizer, text, self.chat_template_kwargs)
 
     def count_tokens(self, text: str) -> int:
         # The rollout counts tokens to fit each prompt to the context: keep the ids for generation.
@@ -251,7 +248,6 @@ def hf_generator(model, tokenizer, args: HGPOConfig, temperature: float):
     RNG (seeded per evaluation seed) drives sampling."""
     import torch
     from transformers import GenerationConfig
-    from trl.trainer.utils import pad
 
     device = "cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu"
     model.to(device).eval()
@@ -266,16 +262,8 @@ def hf_generator(model, tokenizer, args: HGPOConfig, temperature: float):
                                  "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos, **sampling,
                                  **(args.generation_kwargs or {})})
 
-    @torch.no_grad()
     def generate(prompt_ids: list[list[int]]) -> list[list[int]]:
-        tensors = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(tensors, padding_value=tokenizer.pad_token_id, padding_side="left").to(device)
-        attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        completions = output[:, input_ids.size(1):].cpu()
-        is_eos = torch.isin(completions, torch.tensor(eos))
-        ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.size(1))
-        return [row[: end + 1].tolist() for row, end in zip(completions, ends.tolist(), strict=True)]
+        return generate_completions(model, config, prompt_ids, tokenizer.pad_token_id, eos)
 
     return generate
 

@@ -40,6 +40,7 @@ from envs.registry import is_fast_env
 from hgpo_trl.advantages import compute_advantages, hgpo_level_stats
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.diagnostics import Bias, advantage_bias
+from hgpo_trl.generation import encode_prompt, generate_completions
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
 from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.trajectories import rollout_records, write_records
@@ -149,12 +150,7 @@ class HGPOTrainer(GRPOTrainer):
             self._envs = None
 
     def _encode_prompt(self, text: str) -> list[int]:
-        tokenizer = self._tokenizer
-        if tokenizer.chat_template is None:
-            return tokenizer(text, add_special_tokens=True)["input_ids"]
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True,
-                                             **self.chat_template_kwargs)["input_ids"]
+        return encode_prompt(self._tokenizer, text, self.chat_template_kwargs)
 
     def _lockstep(self) -> bool:
         """Whether every process must run the same number of generate calls (collective backends)."""
@@ -210,15 +206,7 @@ class HGPOTrainer(GRPOTrainer):
             yield partial(self._hf_generate, model, config)
 
     def _hf_generate(self, model, config: GenerationConfig, prompt_ids: list[list[int]]):
-        device = self.accelerator.device
-        tensors = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
-        attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        completions = output[:, input_ids.size(1):].cpu()
-        is_eos = torch.isin(completions, torch.tensor(self.eos_token_ids))
-        first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.size(1))
-        return [row[: end + 1].tolist() for row, end in zip(completions, first_eos.tolist(), strict=True)], None
+        return generate_completions(model, config, prompt_ids, self._tokenizer.pad_token_id, self.eos_token_ids), None
 
     def _play(self, tasks: list[Mapping[str, Any]], group_size: int, temperature: float,
               description: str = "rollout") -> Rollout:

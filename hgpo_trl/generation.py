@@ -1,0 +1,32 @@
+"""Prompt encoding and transformers generation shared by the trainer's rollouts and `hgpo-eval`, so that both
+play the same prompts and cut the same completions."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from trl.trainer.utils import pad
+
+
+def encode_prompt(tokenizer, text: str, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """The prompt's ids: one user turn of the chat template with its generation prompt, or the plain text when
+    the tokenizer has no template."""
+    if tokenizer.chat_template is None:
+        return tokenizer(text, add_special_tokens=True)["input_ids"]
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True, **(chat_template_kwargs or {}))["input_ids"]
+
+
+@torch.no_grad()
+def generate_completions(model, config: GenerationConfig, prompt_ids: list[list[int]], pad_token_id: int,
+                         eos_token_ids: list[int]) -> list[list[int]]:
+    """One left-padded `generate` call; each completion cut after its first end token (kept)."""
+    tensors = [torch.tensor(ids) for ids in prompt_ids]
+    input_ids = pad(tensors, padding_value=pad_token_id, padding_side="left").to(model.device)
+    attention_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(model.device)
+    output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    completions = output[:, input_ids.size(1):].cpu()
+    is_eos = torch.isin(completions, torch.tensor(eos_token_ids))
+    ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.size(1))
+    return [row[: end + 1].tolist() for row, end in zip(completions, ends.tolist(), strict=True)]
