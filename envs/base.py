@@ -43,3 +43,16 @@ class TextEnv(Protocol):
 
 EnvFactory = Callable[..., TextEnv]
 TaskFactory = Callable[..., datasets.Dataset]
+
+
+def compact_prompt(task: str, history: Sequence[tuple[str, str]], observation: str, admissible: Sequence[str],
+                   step: int) -> str:
+    """A `render_prompt` layout for small models: few, regular words; `>` marks what the game said, `<` what the
+    agent did. The task comes last, next to the answer, a fixed few tokens back from where the action starts."""
+    lines = [f"Step {step}."]
+    if history:
+        lines.append("History:")
+        for past_observation, past_action in history:
+            lines += [f"> {past_observation}", f"< {past_action}"]
+    lines += [f"Now: {observation}", f"Actions: {' | '.join(admissible)}", f"Task: {task}", "Answer:"]
+    return "\n".join(lines)

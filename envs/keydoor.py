@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import datasets
 
-from envs.base import Info
+from envs.base import Info, compact_prompt
 
 ROOMS = ("library", "kitchen", "cellar", "attic", "garden", "study")
 COLORS = ("red", "blue", "green", "yellow", "white", "black")
@@ -199,15 +199,7 @@ class KeyDoorEnv:
 
     def render_prompt(self, task: str, history: Sequence[tuple[str, str]], observation: str,
                       admissible: Sequence[str], step: int) -> str:
-        """Few, regular words for small models: `>` marks what the game said, `<` what the agent did. The task
-        comes last, next to the answer: a small model finds the goal's colour a fixed few tokens back."""
-        lines = [f"Step {step}."]
-        if history:
-            lines.append("History:")
-            for past_observation, past_action in history:
-                lines += [f"> {past_observation}", f"< {past_action}"]
-        lines += [f"Now: {observation}", f"Actions: {' | '.join(admissible)}", f"Task: {task}", "Answer:"]
-        return "\n".join(lines)
+        return compact_prompt(task, history, observation, admissible, step)
 
     def close(self) -> None:
         """Nothing to release."""

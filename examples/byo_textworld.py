@@ -26,6 +26,7 @@ import textworld
 from textworld.generator import compile_game, make_game
 
 from envs import make_env, make_tasks, register_env
+from envs.base import compact_prompt
 from hgpo_trl.advantages import StepBatch, compute_advantages, discounted_returns, register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.evaluate import main as hgpo_eval
@@ -128,14 +129,7 @@ class TextWorldEnv:
 
     def render_prompt(self, task: str, history: Sequence[tuple[str, str]], observation: str,
                       admissible: Sequence[str], step: int) -> str:
-        """keydoor's layout: `>` marks what the game said, `<` what the agent did; the task next to the answer."""
-        lines = [f"Step {step}."]
-        if history:
-            lines.append("History:")
-            for past_observation, past_action in history:
-                lines += [f"> {past_observation}", f"< {past_action}"]
-        lines += [f"Now: {observation}", f"Actions: {' | '.join(admissible)}", f"Task: {task}", "Answer:"]
-        return "\n".join(lines)
+        return compact_prompt(task, history, observation, admissible, step)
 
     def close(self) -> None:
         if self._engine is not None:
