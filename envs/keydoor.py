@@ -123,9 +123,10 @@ def admissible_actions(task: KeyDoorTask, position: str) -> tuple[str, ...]:
 
 
 def transition(task: KeyDoorTask, position: str, key: str | None, action: str | None, *,
-               gold_reward: float = 10.0, coin_reward: float = 3.0) -> Transition:
+               gold_reward: float = 10.0, coin_reward: float = 3.0, key_reward: float = 0.0) -> Transition:
     """One step from `(position, key)`. An action not admissible there (compared stripped and lower-cased) or
-    None leaves the state as it is with the observation "Nothing happens."."""
+    None leaves the state as it is with the observation "Nothing happens."; taking the key of the gold's colour
+    earns `key_reward`."""
     if position == END:
         raise ValueError("the keydoor episode is over: there is no transition from the end position")
     if action is not None and not isinstance(action, str):
@@ -136,7 +137,8 @@ def transition(task: KeyDoorTask, position: str, key: str | None, action: str | 
     if position == ENTRANCE:
         color = action.split()[1]
         room = task.room1 if color == task.color1 else task.room2
-        return Transition(room, color, f"You are in the {room}. You take the {color} key.", 0.0, False, False)
+        reward = key_reward if color == task.gold else 0.0
+        return Transition(room, color, f"You are in the {room}. You take the {color} key.", reward, False, False)
     if position == HALL:
         return Transition(VAULT, key, f"You are at the vault. There is a {task.color1} door "
                                       f"and a {task.color2} door.", 0.0, False, False)
@@ -153,15 +155,17 @@ def transition(task: KeyDoorTask, position: str, key: str | None, action: str | 
 class KeyDoorEnv:
     """The keydoor game as a `TextEnv`. The pools of rooms and colours come with the task rows."""
 
-    def __init__(self, max_steps: int = 8, gold_reward: float = 10.0, coin_reward: float = 3.0):
+    def __init__(self, max_steps: int = 8, gold_reward: float = 10.0, coin_reward: float = 3.0,
+                 key_reward: float = 0.0):
         if not _is_int(max_steps) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
-        for name, value in (("gold_reward", gold_reward), ("coin_reward", coin_reward)):
+        for name, value in (("gold_reward", gold_reward), ("coin_reward", coin_reward), ("key_reward", key_reward)):
             if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
         self.max_steps = int(max_steps)
         self.gold_reward = float(gold_reward)
         self.coin_reward = float(coin_reward)
+        self.key_reward = float(key_reward)
         self._task: KeyDoorTask | None = None
 
     def reset(self, task: Mapping[str, Any]) -> tuple[str, Info]:
@@ -179,7 +183,7 @@ class KeyDoorEnv:
         if self._done:
             raise RuntimeError("KeyDoorEnv.step() called after the episode ended; call reset(task) first")
         t = transition(self._task, self._position, self._key, action,
-                       gold_reward=self.gold_reward, coin_reward=self.coin_reward)
+                       gold_reward=self.gold_reward, coin_reward=self.coin_reward, key_reward=self.key_reward)
         self._position, self._key, self._won = t.position, t.key, t.won
         self._steps += 1
         truncated = not t.terminated and self._steps >= self.max_steps

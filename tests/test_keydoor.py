@@ -72,6 +72,14 @@ def test_coin_path_and_custom_rewards():
     assert play(env, TASK, GOLD_PATH)[-1][1] == 5.0
 
 
+def test_key_reward_pays_the_gold_key_only():
+    env = KeyDoorEnv(key_reward=2.5)
+    gold, coin = play(env, TASK, GOLD_PATH), play(env, TASK, COIN_PATH)
+    assert [step[1] for step in gold] == [2.5, 0.0, 0.0, 10.0]
+    assert [step[1] for step in coin] == [0.0, 0.0, 0.0, 3.0]
+    assert [step[1] for step in play(KeyDoorEnv(), TASK, GOLD_PATH)] == [0.0, 0.0, 0.0, 10.0]  # off by default
+
+
 def test_locked_door_ends_the_episode_without_reward():
     env = KeyDoorEnv()
     obs, reward, terminated, truncated, info = play(env, TASK, [*COIN_PATH[:3], "open red door"])[-1]
@@ -152,6 +160,7 @@ def test_malformed_task_rows(row, match):
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"max_steps": 0}, "max_steps"), ({"max_steps": 2.5}, "max_steps"), ({"max_steps": True}, "max_steps"),
     ({"gold_reward": float("nan")}, "gold_reward"), ({"coin_reward": "3"}, "coin_reward"),
+    ({"key_reward": float("inf")}, "key_reward"),
 ])
 def test_bad_constructor_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
