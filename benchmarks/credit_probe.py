@@ -9,7 +9,7 @@ Why: when RL on the quickstart does not learn, either the model cannot represent
 the advantages the rollouts give it do not carry the rule. This probe removes the second: every update samples
 `num_generations` answers to each prompt of `tasks_per_device` training tasks and rewards each prompt on its own
 (entrance: the gold key; vault, after the gold key: the gold door; room and hall: any valid answer), normalised
-within the prompt's samples (GRPO). The loss, AdamW, `learning_rate` and `max_grad_norm` are the trainer's.
+within the prompt's samples (GRPO's `mean_std_norm`, the library's own). The loss, AdamW, `learning_rate` and `max_grad_norm` are the trainer's.
 `--keep_reward p` keeps each reward with probability p (the vault's coin flip seen from the entrance).
 
 The config and any train.py option (e.g. `--learning_rate 3e-4`) set the model, the warm start, the prompts and
@@ -41,6 +41,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from envs.keydoor import KeyDoorEnv, KeyDoorTask
+from hgpo_trl.advantages.groups import normalize_within
 from hgpo_trl.cli import ConfigError, load_tasks, parse
 from hgpo_trl.generation import encode_prompt, generate_completions
 from hgpo_trl.memory import Memory, build_prompt
@@ -85,6 +86,15 @@ class Probe:
     def __init__(self, model, tokenizer, args, train_tasks, eval_tasks):
         self.model, self.tokenizer, self.args = model, tokenizer, args
         self.eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token)
+        self.sampling = GenerationConfig(
+            max_new_tokens=args.max_completion_length,
+            do_sample=True,
+            temperature=args.temperature,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=[self.eos],
+        )
         instruction = args.rollout_settings().format_instruction
         self.paths = {}
         for task in [*train_tasks, *eval_tasks]:
@@ -140,22 +150,10 @@ class Probe:
         prompts = [
             (ids, answer) for t in tasks for name, ids, answer in self.paths[t["task_id"]] if name in trained
         ]
-        config = GenerationConfig(
-            max_new_tokens=args.max_completion_length,
-            do_sample=True,
-            temperature=args.temperature,
-            top_k=0,
-            top_p=1.0,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=[self.eos],
-        )
+        sampled = [ids for ids, _ in prompts for _ in range(group)]
         self.model.eval()
         completions = generate_completions(
-            self.model,
-            config,
-            [ids for ids, _ in prompts for _ in range(group)],
-            self.tokenizer.pad_token_id,
-            [self.eos],
+            self.model, self.sampling, sampled, self.tokenizer.pad_token_id, [self.eos]
         )
         texts = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         rewards = np.array(
@@ -163,11 +161,11 @@ class Probe:
                 float(text.strip() == prompts[i // group][1] and rng.random() < keep_reward)
                 for i, text in enumerate(texts)
             ]
-        ).reshape(len(prompts), group)
-        advantages = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)
+        )
+        advantages = normalize_within(np.arange(len(sampled)) // group, rewards, "mean_std_norm")
         self.model.train()
-        logp, lengths = self.logps([ids for ids, _ in prompts for _ in range(group)], completions)
-        loss = -(torch.tensor(advantages.reshape(-1), dtype=torch.float32) * logp).sum() / lengths.sum()
+        logp, lengths = self.logps(sampled, completions)
+        loss = -(torch.tensor(advantages, dtype=torch.float32) * logp).sum() / lengths.sum()
         optimizer.zero_grad()
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
