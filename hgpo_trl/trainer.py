@@ -118,6 +118,7 @@ class HGPOTrainer(GRPOTrainer):
         self.last_level_stats: list = []  # HGPO's level statistics of the last rollout (plots)
         self._sample_rng = np.random.default_rng(args.seed + self.accelerator.process_index)
         self._training_seconds = 0.0
+        self._batch_seconds = 0.0
         self._iteration = 0
         self._faulty_streak = 0
 
@@ -250,8 +251,10 @@ class HGPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ training batch
     def training_step(self, model, inputs, num_items_in_batch):
         tick = time.perf_counter()
+        self._batch_seconds = 0.0
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self._training_seconds += time.perf_counter() - tick
+        # The parent builds the batch (rollout and all) inside training_step: that time is not training.
+        self._training_seconds += time.perf_counter() - tick - self._batch_seconds
         # Before the optimizer step: the parameters are still good and no checkpoint holds a NaN. Every process
         # takes the same decision, so none is left waiting in a collective.
         bad = torch.tensor(float(not torch.isfinite(loss).all()), device=self.accelerator.device)
@@ -273,6 +276,7 @@ class HGPOTrainer(GRPOTrainer):
         return np.sort(self._sample_rng.choice(num_steps, size=budget, replace=False))
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
+        start = time.perf_counter()
         mode = "train" if self.model.training else "eval"
         rollout = self._play(list(inputs), self.num_generations, self.temperature)
         self._check_faults(rollout)
@@ -289,6 +293,7 @@ class HGPOTrainer(GRPOTrainer):
         output = self._training_inputs(rollout, advantages, selected)
         self._log_iteration(mode, rollout, batch, advantages, selected, advantage_seconds)
         self._iteration += 1
+        self._batch_seconds = time.perf_counter() - start
         return output
 
     def _records(self, rollout: Rollout, tasks: list, advantages: np.ndarray | None) -> list[dict]:

@@ -21,6 +21,7 @@ from trl import SFTConfig, SFTTrainer
 
 from envs.base import TextEnv
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
+from hgpo_trl.config import cpu_precision_default
 from hgpo_trl.memory import Memory, build_prompt
 
 
@@ -90,8 +91,8 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     # One progress bar for the warm start; no per-step log dicts, no dataset-preparation bars.
     config = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
                        learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
-                       save_strategy="no", report_to=report_to, use_cpu=use_cpu, seed=seed, disable_tqdm=not progress,
-                       log_level="warning")
+                       save_strategy="no", report_to=report_to, use_cpu=use_cpu, bf16=cpu_precision_default(use_cpu),
+                       seed=seed, disable_tqdm=not progress, log_level="warning")
     bars = datasets.utils.logging.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:

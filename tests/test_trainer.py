@@ -2,6 +2,7 @@
 
 import inspect
 import re
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from peft import LoraConfig
 from trl import GRPOTrainer
 
 from envs import make_tasks
+from envs.keydoor import KeyDoorEnv
 from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.sampler import TaskSampler
@@ -95,6 +97,13 @@ def test_compatible_settings_train(tmp_path, tiny_model, tiny_tokenizer, options
     trainer.train()
     assert changed(tiny_model, before)
     assert trainer.state.global_step == trainer.args.max_steps
+
+
+def test_cpu_runs_default_to_float32_and_an_explicit_bf16_is_kept(tmp_path, tiny_model, tiny_tokenizer):
+    # TRL's default (bf16 on) would make a CPU run autocast to bf16: slower, with coarser log-probabilities.
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path))
+    assert trainer.args.bf16 is False and trainer.accelerator.mixed_precision == "no"
+    assert make_config(tmp_path, bf16=True).bf16 is True
 
 
 def test_train_iterations_set_optimizer_steps(tmp_path):
@@ -221,6 +230,23 @@ def test_environment_faults_fail_their_episodes_and_training_goes_on(tmp_path, t
     trainer.train()
     logs = [h for h in trainer.state.log_history if "env/faults" in h]
     assert trainer.state.global_step == 2 and sum(h["env/faults"] for h in logs) > 0
+
+
+class SlowEnv(KeyDoorEnv):
+    """Keydoor that takes 50 ms a step: a rollout long next to a tiny model's training step."""
+
+    def step(self, action):
+        time.sleep(0.05)
+        return super().step(action)
+
+
+def test_training_time_leaves_out_the_rollout(tmp_path, tiny_model, tiny_tokenizer):
+    # TRL builds the batch (here: the whole rollout) inside training_step; time/training must not count it.
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path), env_factory=SlowEnv)
+    trainer.train()
+    second = [h for h in trainer.state.log_history if "time/training" in h][1]
+    assert second["time/env"] > 0.5  # at least 16 episodes x 1 step x 50 ms
+    assert 0 < second["time/training"] < 0.5 * second["time/env"]
 
 
 def test_webshop_trains_and_logs_its_score(tmp_path):
