@@ -267,7 +267,9 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     if trainer.accelerator.is_main_process:
         write_summary(args.output_dir, summary)
         if env_args.plots:
-            plot_learning(trainer.state.log_history, Path(args.output_dir) / "learning.png")
+            # train() starts a fresh log history: the evaluation before it is added back as iteration 0.
+            history = [{**before, "step": 0}, *trainer.state.log_history] if before else trainer.state.log_history
+            plot_learning(history, Path(args.output_dir) / "learning.png")
             if trainer.last_level_stats:
                 plot_levels(trainer.state.log_history, [s.group_sizes.tolist() for s in trainer.last_level_stats],
                             Path(args.output_dir) / "hgpo_levels.png")

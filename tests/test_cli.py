@@ -75,10 +75,15 @@ def test_a_model_is_required(tmp_path):
         parse(["--config", str(path)])
 
 
-def test_a_tiny_run_writes_summary_and_plots(tmp_path, capsys):
+def test_a_tiny_run_writes_summary_and_plots(tmp_path, capsys, monkeypatch):
     import json
 
+    import hgpo_trl.cli
     from hgpo_trl.cli import main
+
+    plotted = []
+    plot = hgpo_trl.cli.plot_learning
+    monkeypatch.setattr(hgpo_trl.cli, "plot_learning", lambda history, path: plotted.append(history) or plot(history, path))
 
     config = write(tmp_path, TINY_RUN + """invalid_action: end_episode
 warmstart_steps: 3
@@ -93,6 +98,9 @@ save_strategy: "no"
     assert 0 <= summary["success_rate_start"] <= 1 and 0 <= summary["success_rate_end"] <= 1
     assert summary["wall_seconds"] > 0 and summary["config"]["trainer"]["env_name"] == "keydoor"
     assert (out / "learning.png").stat().st_size > 0 and (out / "hgpo_levels.png").stat().st_size > 0
+    # The curve starts at the evaluation before training (iteration 0).
+    evaluations = [h for h in plotted[0] if "eval_success_rate" in h]
+    assert evaluations[0]["step"] == 0 and evaluations[0]["eval_success_rate"] == summary["success_rate_start"]
     printed = capsys.readouterr().out
     assert printed.count("[iter ") == 2 and "[eval " in printed and "success rate" in printed
 
