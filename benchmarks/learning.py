@@ -2,6 +2,7 @@
 
     python benchmarks/learning.py                          # 6 estimators x seeds 0 1 2 (hours on 2 cores)
     python benchmarks/learning.py --estimators grpo hgpo_k2 --seeds 0 --iterations 30 --eval_steps 5
+    python benchmarks/learning.py --jobs 2                 # two runs at a time, one process and thread each
     python benchmarks/learning.py --resume                 # after an interruption: only the missing runs
     python benchmarks/learning.py --resume --update-results   # the table and plot into docs/results.md
 
@@ -29,11 +30,14 @@ import datetime
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import shlex
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +159,22 @@ def train_run(settings: dict[str, Any], name: str, seed: int, warm: dict[str, An
         "config": {"env": dataclasses.asdict(env_args), "trainer": args.to_dict(),
                    "model": dataclasses.asdict(model_args)},
     }
+
+
+def completed(jobs: int, function: Callable[..., Any], calls: list[tuple[Any, tuple]]) -> Iterator[tuple[Any, Any]]:
+    """(key, function(*arguments)) for each (key, arguments) of `calls`, as they finish: in this process when
+    `jobs` is 1, else in `jobs` fresh processes (spawned: no torch state is forked). A failure stops the rest."""
+    if jobs == 1:
+        for key, arguments in calls:
+            yield key, function(*arguments)
+        return
+    pool = ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        futures = {pool.submit(function, *arguments): key for key, arguments in calls}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -280,9 +300,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="write the table into the marked section of --results_file")
     parser.add_argument("--results_file", default="docs/results.md", help="the file --update-results edits")
     parser.add_argument("--verbose", action="store_true", help="one line per iteration, as train.py prints")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="warm starts and runs at a time, each in its own process with one thread "
+                             "(OMP_NUM_THREADS); the results do not depend on it")
     options, overrides = parser.parse_known_args(argv)
     command = shlex.join(["python", "benchmarks/learning.py", *argv])
 
+    if options.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {options.jobs}")
     reserved = [o for o in overrides if o.startswith("--") and o[2:].split("=")[0] in FORCED]
     if reserved:
         parser.error(f"{', '.join(reserved)}: set per run by this script ({', '.join(FORCED)}); use --seeds, "
@@ -314,23 +339,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if f"{name}/seed{seed}" not in data["runs"]]
     for seed, name in [(s, n) for s in options.seeds for n in options.estimators if (s, n) not in todo]:
         print(f"[learning] {name} seed {seed}: in {curves_path}, skipped")
-    ready: set[int] = set()  # seeds whose warm start this invocation has built or found
-    for index, (seed, name) in enumerate(todo, 1):
+    # Each seed's warm start first: every run of the seed loads it.
+    build = []
+    for seed in dict.fromkeys(seed for seed, _ in todo):
         folder = out / "warmstart" / f"seed{seed}"
         marker = folder / "warmstart.json"  # the last file a warm start writes
-        if seed not in ready:
-            if options.resume and marker.exists():  # the disk is the truth: the runs load from it
-                # The path as seen from here, whichever directory the warm start was built from.
-                data["warmstarts"][str(seed)] = {**json.loads(marker.read_text()), "path": str(folder)}
-                print(f"[learning] warm start seed {seed}: reused {folder}")
-            else:
-                warm = data["warmstarts"][str(seed)] = build_warm_start(settings, seed, folder)
-                print(f"[learning] warm start seed {seed}: {warm['seconds']:.0f} s -> {folder}")
-            ready.add(seed)
-        run = train_run(settings, name, seed, data["warmstarts"][str(seed)], out / "runs" / name / f"seed{seed}",
-                        command, options.verbose)
+        if options.resume and marker.exists():  # the disk is the truth: the runs load from it
+            # The path as seen from here, whichever directory the warm start was built from.
+            data["warmstarts"][str(seed)] = {**json.loads(marker.read_text()), "path": str(folder)}
+            print(f"[learning] warm start seed {seed}: reused {folder}")
+        else:
+            build.append((seed, (settings, seed, folder)))
+    for seed, warm in completed(options.jobs, build_warm_start, build):
+        data["warmstarts"][str(seed)] = warm
+        print(f"[learning] warm start seed {seed}: {warm['seconds']:.0f} s -> {warm['path']}", flush=True)
+    calls = [((seed, name), (settings, name, seed, data["warmstarts"][str(seed)],
+                             out / "runs" / name / f"seed{seed}", command, options.verbose)) for seed, name in todo]
+    for index, ((seed, name), run) in enumerate(completed(options.jobs, train_run, calls), 1):
         data["runs"][f"{name}/seed{seed}"] = run
-        write_json(curves_path, data)  # after every run: an interruption loses at most the run in progress
+        write_json(curves_path, data)  # after every run: an interruption loses at most the runs in progress
         last = [t["success"] for t in run["train"][-10:]]
         print(f"[learning] run {index}/{len(todo)} {name} seed {seed}: validation {run['eval'][0]['success']:.2f}"
               f" -> {run['eval'][-1]['success']:.2f} (best {max(e['success'] for e in run['eval']):.2f}), "

@@ -68,3 +68,20 @@ def test_learning_curves_resume_and_results_section(tmp_path, capsys):
     # --resume refuses to mix runs made with other settings.
     with pytest.raises(SystemExit, match="another config"):
         main([*TINY, "--output_dir", str(out), "--resume", "--learning_rate", "1e-4"])
+
+
+def test_parallel_runs_give_the_same_curves(tmp_path):
+    from benchmarks.learning import main
+
+    def curves(jobs: int) -> dict:
+        out = tmp_path / f"jobs{jobs}"
+        main([*TINY, "--output_dir", str(out), "--jobs", str(jobs)])
+        return json.loads((out / "curves.json").read_text())
+
+    one, two = curves(1), curves(2)
+    assert set(one["runs"]) == set(two["runs"]) == {"grpo/seed0", "hgpo_k2/seed0"}
+    assert one["warmstarts"]["0"]["sha256"] == two["warmstarts"]["0"]["sha256"]
+    for key, run in one["runs"].items():
+        assert (run["train"], run["eval"]) == (two["runs"][key]["train"], two["runs"][key]["eval"]), key
+    with pytest.raises(SystemExit):
+        main([*TINY, "--output_dir", str(tmp_path / "none"), "--jobs", "0"])
