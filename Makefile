@@ -35,8 +35,12 @@ test: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+# The demo is one process, so it may use the cores (up to 4: a tiny model gains nothing from more); the tests
+# keep one thread each, many of their processes share the machine.
+DEMO_THREADS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+
 demo: $(VENV)/.installed-$(DEMO_EXTRAS)
-	$(BIN)/python train.py --config configs/quickstart.yaml
+	OMP_NUM_THREADS=$(DEMO_THREADS) $(BIN)/python train.py --config configs/quickstart.yaml
 
 bench: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python benchmarks/advantages.py
