@@ -16,8 +16,14 @@ The config and any train.py option (e.g. `--learning_rate 3e-4`) set the model, 
 the batch, as for train.py. The model is `--warmstart` (a saved folder, e.g. a warm start of
 benchmarks/learning.py) or, without it, the config's model warm-started here and saved under
 `output_dir/warmstart`. Prints, every `--eval_every` updates, on the validation tasks (teacher-forced): the
-share of tasks whose gold key scores above the other key, and the mean probability of the right answer at the
-room, hall and vault (after the gold key). Writes `output_dir/probe.json`. Figures: docs/results.md, "Session 4".
+share of tasks whose gold key scores above the other key, the share whose choice between the two keys is
+confident (> 0.9), the mean probability of taking each key colour, and the mean probability of the right answer
+at the room, hall and vault (after the gold key). Writes `output_dir/probe.json`. Figures: docs/results.md,
+"Session 4".
+
+`--updates 0` only evaluates: it diagnoses a stalled run's checkpoint (a colour ranking instead of the rule):
+
+    python benchmarks/credit_probe.py --warmstart outputs/quickstart/checkpoint-300 --updates 0
 """
 
 from __future__ import annotations
@@ -77,9 +83,23 @@ def winning_path(
     return path
 
 
-def other_key(task: dict[str, Any]) -> str:
+def other_colour(task: dict[str, Any]) -> str:
     t = KeyDoorTask.from_row(task)
-    return f"take {t.color1 if t.gold == t.color2 else t.color2} key"
+    return t.color1 if t.gold == t.color2 else t.color2
+
+
+def other_key(task: dict[str, Any]) -> str:
+    return f"take {other_colour(task)} key"
+
+
+def colour_choice(tasks: list[dict[str, Any]], p_gold: list[float]) -> dict[str, float]:
+    """Per key colour, the mean probability that the entrance takes that key when it is one of the two: a model
+    that ranks colours instead of reading the goal shows values far from 0.5."""
+    choices: dict[str, list[float]] = {}
+    for task, p in zip(tasks, p_gold, strict=True):
+        choices.setdefault(task["gold"], []).append(p)
+        choices.setdefault(other_colour(task), []).append(1.0 - p)
+    return {colour: round(float(np.mean(ps)), 3) for colour, ps in sorted(choices.items())}
 
 
 class Probe:
@@ -131,7 +151,13 @@ class Probe:
         paths = [self.paths[t["task_id"]] for t in tasks]
         gold, _ = self.logps([p[0][1] for p in paths], [self.answer_ids(p[0][2]) for p in paths])
         other, _ = self.logps([p[0][1] for p in paths], [self.answer_ids(other_key(t)) for t in tasks])
-        result = {"entrance_acc": float((gold > other).float().mean())}
+        p_gold = torch.sigmoid(gold - other)  # the gold key's share of the two keys' probability
+        result = {
+            "entrance_acc": float((p_gold > 0.5).float().mean()),
+            # A confident choice makes a task's rollouts agree: zero group variance, no advantage to unlearn it.
+            "entrance_confident": float((torch.maximum(p_gold, 1 - p_gold) > 0.9).float().mean()),
+            "entrance_colour_choice": colour_choice(tasks, p_gold.tolist()),
+        }
         for index, name in enumerate(STEP_NAMES[1:], start=1):
             right, _ = self.logps([p[index][1] for p in paths], [self.answer_ids(p[index][2]) for p in paths])
             result[f"p_{name}"] = float(right.exp().mean())
@@ -196,15 +222,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="prompts trained: entrance; entrance and vault (decisions); all four steps",
     )
     parser.add_argument("--keep_reward", type=float, default=1.0, help="probability that a reward is kept")
-    parser.add_argument("--updates", type=int, default=100)
+    parser.add_argument(
+        "--updates", type=int, default=100, help="0 only evaluates the model (e.g. --warmstart a checkpoint)"
+    )
     parser.add_argument("--eval_every", type=int, default=25)
     parser.add_argument("--warmstart", type=Path, help="a saved warm-started model (default: build one)")
     parser.add_argument("--output_dir", type=Path, default=Path("outputs/credit_probe"))
     options, overrides = parser.parse_known_args(argv)
     if not 0.0 <= options.keep_reward <= 1.0:
         parser.error(f"--keep_reward must be in [0, 1], got {options.keep_reward}")
-    if options.updates < 1 or options.eval_every < 1:
-        parser.error("--updates and --eval_every must be >= 1")
+    if options.updates < 0 or options.eval_every < 1:
+        parser.error("--updates must be >= 0 and --eval_every >= 1")
     if options.warmstart is not None and not (options.warmstart / "config.json").is_file():
         parser.error(f"--warmstart {options.warmstart}: not a saved model folder (no config.json)")
     try:
