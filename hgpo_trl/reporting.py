@@ -66,6 +66,7 @@ def plot_levels(log_history: list[dict[str, Any]], group_sizes: list[list[int]],
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     train = [h for h in log_history if "hgpo/level0_with_peers" in h]
     levels = sorted(int(k.removeprefix("hgpo/level").removesuffix("_with_peers"))
@@ -80,7 +81,9 @@ def plot_levels(log_history: list[dict[str, Any]], group_sizes: list[list[int]],
     width = 0.8 / max(len(group_sizes), 1)
     for k, histogram in enumerate(group_sizes):
         sizes = [s for s, count in enumerate(histogram) if count and s > 0]
-        right.bar([s + k * width for s in sizes], [histogram[s] for s in sizes], width=width, label=f"level {k}")
+        offset = (k - (len(group_sizes) - 1) / 2) * width  # the levels' bars side by side, centred on the size
+        right.bar([s + offset for s in sizes], [histogram[s] for s in sizes], width=width, label=f"level {k}")
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
     right.set_xlabel("group size (steps)")
     right.set_ylabel("groups in the last rollout")
     if group_sizes:
