@@ -245,8 +245,14 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     eval_tasks = load_tasks(args, env_args, env_args.eval_split, env_args.num_eval_tasks)
     model, tokenizer = load_model(model_args, env_args, args, train_tasks)
     warmstart = {}
-    if env_args.warmstart_steps > 0 and not args.resume_from_checkpoint:
-        warmstart = run_warm_start(model, tokenizer, env_args, args, train_tasks, Path(args.output_dir) / "warmstart")
+    if env_args.warmstart_steps > 0:
+        if not args.resume_from_checkpoint:  # a resumed run's checkpoint holds the warm-started weights
+            warmstart = run_warm_start(model, tokenizer, env_args, args, train_tasks,
+                                       Path(args.output_dir) / "warmstart")
+        if args.beta != 0.0 and not model_args.use_peft:
+            # The run starts from weights made in memory, not the loaded path's: the trainer keeps those as the KL
+            # reference (saved now, reused on a resume). With PEFT the disabled adapter is the reference.
+            model.config._name_or_path = ""
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args),
                           callbacks=[IterationLine()])

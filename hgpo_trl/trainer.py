@@ -58,16 +58,26 @@ def env_reward(completions: list, **kwargs: Any) -> list[float]:
     raise RuntimeError("env_reward is a placeholder: HGPOTrainer takes rewards from the environment")
 
 
-def _save_in_memory_reference(model, args: HGPOConfig) -> None:
-    """TRL rebuilds the KL reference from `model.config._name_or_path`: a model built in memory has none, so save
-    its initial weights once and point the config at them."""
+def _save_in_memory_reference(model, processing_class, args: HGPOConfig) -> None:
+    """TRL rebuilds the KL reference from `model.config._name_or_path`: a model built (or warm-started) in memory
+    has none, so save its initial weights to `output_dir/reference_model` and point the config at them. A resumed
+    run (`args.resume_from_checkpoint`) keeps the reference its start saved: the model passed in to resume is
+    not the one the run started from."""
     if not isinstance(model, PreTrainedModel) or model.config._name_or_path:
         return  # a path, an id, or a PEFT model (whose disabled adapter is the reference)
     path = Path(args.output_dir) / "reference_model"
-    state = PartialState()
-    if state.is_main_process:
-        model.save_pretrained(path)
-    state.wait_for_everyone()
+    if args.resume_from_checkpoint:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"resume_from_checkpoint with beta={args.beta} and a model built in memory: the KL "
+                             f"reference saved when the run started, {path}, is missing (resume into the run's "
+                             "own output_dir)")
+    else:
+        state = PartialState()
+        if state.is_main_process:
+            model.save_pretrained(path)
+            if processing_class is not None:  # a complete model folder: vLLM and evaluate.py can load it
+                processing_class.save_pretrained(path)
+        state.wait_for_everyone()
     model.config._name_or_path = str(path)
 
 
@@ -95,7 +105,7 @@ class HGPOTrainer(GRPOTrainer):
             raise ValueError("train_dataset must be a datasets.Dataset with one row per task "
                              f"(e.g. envs.make_tasks(...)), got {type(train_dataset).__name__}")
         if args.beta != 0.0 and peft_config is None:
-            _save_in_memory_reference(model, args)
+            _save_in_memory_reference(model, processing_class, args)
         super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config)

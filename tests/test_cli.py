@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hgpo_trl.cli import ConfigError, parse
 
@@ -135,6 +136,34 @@ plots: false
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     # The resumed run logged iterations 3 and 4 on top of the checkpoint's history of 1 and 2.
     assert [h["step"] for h in state["log_history"] if "env/success_rate" in h] == [1, 2, 3, 4]
+
+
+def test_the_kl_reference_is_the_warm_start_and_survives_a_resume(tmp_path, tiny_model_path):
+    from safetensors.torch import load_file
+
+    from hgpo_trl.cli import main
+
+    def weights(folder):
+        return load_file(Path(folder) / "model.safetensors")
+
+    base = TINY_RUN + """warmstart_steps: 2
+warmstart_batch_size: 8
+beta: 0.1
+save_strategy: steps
+save_steps: 1
+plots: false
+"""
+    # A model from a path, warm-started in memory: the reference is the warm start, not the path's weights.
+    main(["--config", write(tmp_path, base + "train_iterations: 2\n", model=tiny_model_path)])
+    out = tmp_path / "out"
+    reference = weights(out / "reference_model")
+    loaded = weights(tiny_model_path)
+    assert not all(torch.equal(reference[k], loaded[k]) for k in loaded)
+    main(["--config", write(tmp_path, base + "train_iterations: 3\n", model=tiny_model_path),
+          "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    assert json.loads((out / "summary.json").read_text())["optimizer_steps"] == 3
+    after = weights(out / "reference_model")
+    assert all(torch.equal(reference[k], after[k]) for k in reference)  # the resume did not replace it
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig
+from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
 from envs import make_tasks
@@ -15,6 +16,7 @@ from envs.keydoor import KeyDoorEnv
 from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.sampler import TaskSampler
+from hgpo_trl.tiny import build_tiny_model
 from hgpo_trl.trainer import LOSS_INPUT_KEYS, HGPOTrainer
 
 
@@ -132,6 +134,22 @@ def test_kl_penalty_with_a_model_built_in_memory(tmp_path, tiny_model, tiny_toke
     trainer.train()
     kls = [h["kl"] for h in trainer.state.log_history if "kl" in h]
     assert kls and all(np.isfinite(kls))
+
+
+def test_a_resumed_run_keeps_the_reference_its_start_saved(tmp_path, tiny_model, tiny_tokenizer):
+    make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, beta=0.1))
+    saved = snapshot(AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "reference_model"))
+    other = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=1)
+    resumed = make_trainer(other, tiny_tokenizer, make_config(tmp_path, beta=0.1, resume_from_checkpoint="any"))
+    on_disk = snapshot(AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "reference_model"))
+    assert all(torch.equal(saved[k], on_disk[k]) for k in saved)  # not overwritten by the model passed to resume
+    assert all(torch.equal(saved[k], v) for k, v in snapshot(resumed.ref_model).items())
+    assert (tmp_path / "out" / "reference_model" / "tokenizer.json").is_file()  # a complete model folder
+
+
+def test_resuming_without_the_saved_reference_names_it(tmp_path, tiny_model, tiny_tokenizer):
+    with pytest.raises(ValueError, match=r"reference_model, is missing"):
+        make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, beta=0.1, resume_from_checkpoint="any"))
 
 
 def test_model_from_a_path(tmp_path, tiny_model_path, tiny_tokenizer):
