@@ -30,7 +30,14 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from envs import make_env, make_tasks
 from envs.registry import registered_envs
 from hgpo_trl.config import HGPOConfig
-from hgpo_trl.reporting import IterationLine, plot_learning, plot_levels, write_summary
+from hgpo_trl.reporting import (
+    EvaluationBeforeTraining,
+    IterationLine,
+    plot_learning,
+    plot_levels,
+    start_evaluation,
+    write_summary,
+)
 
 TINY = "tiny"
 
@@ -256,9 +263,11 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args),
                           callbacks=[IterationLine()])
-    before = trainer.evaluate() if eval_tasks is not None and not args.resume_from_checkpoint else {}
+    if eval_tasks is not None and not args.resume_from_checkpoint:  # a resumed run has it in its log history
+        trainer.add_callback(EvaluationBeforeTraining(trainer.evaluate()))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
+    before = start_evaluation(trainer.state.log_history)
     after = trainer.evaluate() if eval_tasks is not None else {}
     summary = {
         "success_rate_start": before.get("eval_success_rate"),
@@ -273,9 +282,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     if trainer.accelerator.is_main_process:
         write_summary(args.output_dir, summary)
         if env_args.plots:
-            # train() starts a fresh log history: the evaluation before it is added back as iteration 0.
-            history = [{**before, "step": 0}, *trainer.state.log_history] if before else trainer.state.log_history
-            plot_learning(history, Path(args.output_dir) / "learning.png")
+            plot_learning(trainer.state.log_history, Path(args.output_dir) / "learning.png")
             if trainer.last_level_stats:
                 plot_levels(trainer.state.log_history, [s.group_sizes.tolist() for s in trainer.last_level_stats],
                             Path(args.output_dir) / "hgpo_levels.png")

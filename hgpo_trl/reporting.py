@@ -27,6 +27,22 @@ class IterationLine(TrainerCallback):
                        f"{int(logs['eval_tasks'])} tasks  reward {logs['eval_episode_reward']:.2f}")
 
 
+class EvaluationBeforeTraining(TrainerCallback):
+    """train() starts a fresh log history: put the evaluation made before it back at its head (as step 0), so
+    the checkpoints carry it and a resumed run still knows, plots and reports where the run started."""
+
+    def __init__(self, metrics: dict[str, Any]):
+        self.record = {**metrics, "step": 0}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.log_history.insert(0, self.record)
+
+
+def start_evaluation(log_history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation before training (step 0) in a log history, or {} when none was made."""
+    return next((h for h in log_history if h.get("step") == 0 and "eval_success_rate" in h), {})
+
+
 def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     path = Path(output_dir) / "summary.json"
     path.parent.mkdir(parents=True, exist_ok=True)

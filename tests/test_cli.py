@@ -128,6 +128,7 @@ plots: false
 """
     main(["--config", write(tmp_path, base + "train_iterations: 2\n")])
     out = tmp_path / "out"
+    start = json.loads((out / "summary.json").read_text())["success_rate_start"]
     checkpoint = out / "checkpoint-2"
     assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "model.safetensors").exists()
     main(["--config", write(tmp_path, base + "train_iterations: 4\n"), "--resume_from_checkpoint", str(checkpoint)])
@@ -136,6 +137,9 @@ plots: false
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     # The resumed run logged iterations 3 and 4 on top of the checkpoint's history of 1 and 2.
     assert [h["step"] for h in state["log_history"] if "env/success_rate" in h] == [1, 2, 3, 4]
+    # The evaluation before training travels in the checkpoints: the resumed summary still has the start.
+    assert [h["step"] for h in state["log_history"] if "eval_success_rate" in h][0] == 0
+    assert start is not None and summary["success_rate_start"] == start
 
 
 def test_the_kl_reference_is_the_warm_start_and_survives_a_resume(tmp_path, tiny_model_path):
