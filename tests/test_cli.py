@@ -138,7 +138,7 @@ plots: false
     # The resumed run logged iterations 3 and 4 on top of the checkpoint's history of 1 and 2.
     assert [h["step"] for h in state["log_history"] if "env/success_rate" in h] == [1, 2, 3, 4]
     # The evaluation before training travels in the checkpoints: the resumed summary still has the start.
-    assert [h["step"] for h in state["log_history"] if "eval_success_rate" in h][0] == 0
+    assert next(h["step"] for h in state["log_history"] if "eval_success_rate" in h) == 0
     assert start is not None and summary["success_rate_start"] == start
 
 
