@@ -46,9 +46,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from envs.keydoor import KeyDoorEnv, KeyDoorTask
 from hgpo_trl.advantages.groups import normalize_within
 from hgpo_trl.cli import ConfigError, load_tasks, parse
+from hgpo_trl.envs.keydoor import KeyDoorEnv, KeyDoorTask
 from hgpo_trl.generation import encode_prompt, generate_completions
 from hgpo_trl.memory import Memory, build_prompt
 

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from envs import make_env, make_tasks
-from envs.pool import InProcessEnvs, WorkerPoolEnvs
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.pool import InProcessEnvs, WorkerPoolEnvs
 
 PACKED = Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld"
 

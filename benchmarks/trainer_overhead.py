@@ -26,8 +26,8 @@ import numpy as np
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
-from envs import make_tasks
 from hgpo_trl.config import HGPOConfig
+from hgpo_trl.envs import make_tasks
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
 from hgpo_trl.trainer import HGPOTrainer
 from tests.conftest import keydoor_corpus

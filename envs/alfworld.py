@@ -29,7 +29,7 @@ from typing import Any
 
 import datasets
 
-from envs.base import Info
+from hgpo_trl.envs.base import Info
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import datasets
 
-from envs.base import Info, compact_prompt
+from hgpo_trl.envs.base import Info, compact_prompt
 
 ROOMS = ("library", "kitchen", "cellar", "attic", "garden", "study")
 COLORS = ("red", "blue", "green", "yellow", "white", "black")

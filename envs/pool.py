@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from envs.base import TextEnv
+from hgpo_trl.envs.base import TextEnv
 
 
 @dataclass
@@ -239,7 +239,7 @@ def default_num_workers(local_processes: int = 1) -> int:
 class WorkerPoolEnvs(_Batch):
     """`num_envs` environments stepped in parallel by `num_workers` worker processes (see the module doc).
 
-    `factory` is a picklable zero-argument callable (e.g. `functools.partial(envs.make_env, "alfworld")`).
+    `factory` is a picklable zero-argument callable (e.g. `functools.partial(hgpo_trl.envs.make_env, "alfworld")`).
     `step_timeout`/`reset_timeout` (seconds, None: no limit) bound one call to a worker, i.e. all of its
     environments in turn; `reset_timeout` also covers a fresh worker's start-up and the building of its
     environments, which happen on its first reset. Workers start with `start_method` ("spawn": forking after

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import datasets
 
-from envs.base import EnvFactory, TaskFactory, TextEnv
+from hgpo_trl.envs.base import EnvFactory, TaskFactory, TextEnv
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here downloads anything
 
 from functools import partial
 
-from envs import make_env, make_tasks
 from hgpo_trl.config import HGPOConfig
+from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.reporting import plot_learning
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
 from hgpo_trl.trainer import HGPOTrainer

@@ -27,9 +27,9 @@ from typing import Any
 import yaml
 from trl import ModelConfig, TrlParser, get_peft_config
 
-from envs import make_env, make_tasks
-from envs.registry import registered_envs
 from hgpo_trl.config import HGPOConfig
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.registry import registered_envs
 from hgpo_trl.reporting import (
     EvaluationBeforeTraining,
     IterationLine,
@@ -49,7 +49,7 @@ class EnvArguments:
     train_split: str = field(default="train", metadata={"help": "Task split to train on."})
     eval_split: str | None = field(default="valid", metadata={"help": "Task split to evaluate on (None: none)."})
     task_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Options of the environment's task list (envs.make_tasks), e.g. "
+        default=None, metadata={"help": "Options of the environment's task list (hgpo_trl.envs.make_tasks), e.g. "
                                         "{num_rooms: 3} or {data_path: ...}; JSON on the command line."})
     num_train_tasks: int | None = field(default=None, metadata={"help": "Use at most this many training tasks."})
     num_eval_tasks: int | None = field(default=None, metadata={"help": "Use at most this many evaluation tasks."})
@@ -65,7 +65,7 @@ class EnvArguments:
     env_modules: list[str] = field(
         default_factory=list,
         metadata={"help": "Python modules imported before env_name is looked up, for environments and estimators "
-                          "of your own: each calls envs.register_env / register_estimator when imported "
+                          "of your own: each calls hgpo_trl.envs.register_env / register_estimator when imported "
                           "(docs/byo_env.md). Resolved from the working directory and sys.path."})
 
 

@@ -11,12 +11,12 @@ from typing import Any, ClassVar
 import torch
 from trl import GRPOConfig
 
-from envs.registry import prompt_has_format
 from hgpo_trl.actions import ACTION_MODES
 from hgpo_trl.advantages import ESTIMATORS, estimator_options
 from hgpo_trl.advantages.groups import NORMS
 from hgpo_trl.advantages.grpo import EPISODE_STATS
 from hgpo_trl.advantages.hgpo import WEIGHTINGS
+from hgpo_trl.envs.registry import prompt_has_format
 from hgpo_trl.rollout import INVALID_ACTIONS, RolloutSettings
 
 
@@ -41,7 +41,7 @@ class HGPOConfig(GRPOConfig):
     """
 
     # Environment
-    env_name: str = field(default="keydoor", metadata={"help": "Registered environment name (envs.make_env)."})
+    env_name: str = field(default="keydoor", metadata={"help": "Registered environment name (hgpo_trl.envs.make_env)."})
     env_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Keyword arguments of the environment factory (a dict, or JSON on the CLI)."})
     tasks_per_device: int = field(

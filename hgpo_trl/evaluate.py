@@ -35,13 +35,13 @@ import numpy as np
 from tqdm.auto import tqdm
 from trl import ModelConfig
 
-from envs import TextEnv, make_env
-from envs.pool import default_num_workers, make_env_batch
-from envs.registry import is_fast_env
 from hgpo_trl.actions import format_action
 from hgpo_trl.cli import TINY, ConfigError, EnvArguments, load_tasks, parse_sections
 from hgpo_trl.cli import load_model as build_training_model
 from hgpo_trl.config import HGPOConfig
+from hgpo_trl.envs import TextEnv, make_env
+from hgpo_trl.envs.pool import default_num_workers, make_env_batch
+from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
 from hgpo_trl.generation import encode_prompt, generate_completions
 from hgpo_trl.rollout import Completion, Episode, Policy, RolloutSettings, ScriptedPolicy, run_rollout

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from envs.base import Info
-from envs.pool import EnvBatch, StepResult
 from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, invalid_tail, parse_action
 from hgpo_trl.advantages import StepBatch
+from hgpo_trl.envs.base import Info
+from hgpo_trl.envs.pool import EnvBatch, StepResult
 from hgpo_trl.memory import FittedPrompt, Memory, build_prompt, fit_prompt
 
 INVALID_ACTIONS = ("noop", "end_episode")

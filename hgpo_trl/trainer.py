@@ -34,12 +34,12 @@ from trl import GRPOTrainer
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from envs import TextEnv, make_env
-from envs.pool import EnvBatch, default_num_workers, make_env_batch
-from envs.registry import is_fast_env
 from hgpo_trl.advantages import compute_advantages, hgpo_level_stats
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.diagnostics import Bias, advantage_bias
+from hgpo_trl.envs import TextEnv, make_env
+from hgpo_trl.envs.pool import EnvBatch, default_num_workers, make_env_batch
+from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.generation import encode_prompt, generate_completions
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
 from hgpo_trl.sampler import TaskSampler
@@ -88,9 +88,9 @@ class HGPOTrainer(GRPOTrainer):
         model: a model id, a path, or a `PreTrainedModel` (saved to a folder first when `beta > 0`: TRL rebuilds
             the reference model from `model.config._name_or_path`).
         args: an `HGPOConfig`.
-        train_dataset: one row per task (what the environment's `reset(task)` takes, e.g. `envs.make_tasks`).
+        train_dataset: one row per task (what the environment's `reset(task)` takes, e.g. `hgpo_trl.envs.make_tasks`).
         eval_dataset: the fixed validation tasks of `evaluate()` (one rollout per task).
-        env_factory: builds one environment; default `envs.make_env(args.env_name, **args.env_kwargs)`.
+        env_factory: builds one environment; default `hgpo_trl.envs.make_env(args.env_name, **args.env_kwargs)`.
     """
 
     _tag_names: ClassVar[list[str]] = ["trl", "hgpo"]
@@ -103,7 +103,7 @@ class HGPOTrainer(GRPOTrainer):
             raise ValueError(f"HGPOTrainer needs an HGPOConfig, got {type(args).__name__}")
         if not isinstance(train_dataset, Dataset):
             raise ValueError("train_dataset must be a datasets.Dataset with one row per task "
-                             f"(e.g. envs.make_tasks(...)), got {type(train_dataset).__name__}")
+                             f"(e.g. hgpo_trl.envs.make_tasks(...)), got {type(train_dataset).__name__}")
         if args.beta != 0.0 and peft_config is None:
             _save_in_memory_reference(model, processing_class, args)
         super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,

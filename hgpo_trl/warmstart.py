@@ -19,9 +19,9 @@ import datasets
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from envs.base import TextEnv
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.config import cpu_precision_default
+from hgpo_trl.envs.base import TextEnv
 from hgpo_trl.memory import Memory, build_prompt
 
 

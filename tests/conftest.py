@@ -8,9 +8,9 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 import pytest
 
-from envs import make_env, make_tasks
-from envs.keydoor import COLORS, ROOMS
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.keydoor import COLORS, ROOMS
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
 
 

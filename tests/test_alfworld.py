@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from envs import make_env, make_tasks
-from envs.alfworld import NOTHING, TASK_TYPES, _Pack, _source
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.alfworld import NOTHING, TASK_TYPES, _Pack, _source
 
 DATA = Path(os.environ.get("ALFWORLD_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld")
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"no ALFWorld data at {DATA} (set ALFWORLD_DATA)")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import textworld
 
-from envs import make_env, make_tasks
-from envs.registry import _REGISTRY
 from hgpo_trl.advantages import ESTIMATORS, StepBatch, compute_advantages
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.registry import _REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 8

@@ -225,8 +225,8 @@ plots: false
 
 
 MY_ENVS = '''
-from envs import register_env
-from envs.keydoor import KeyDoorEnv, keydoor_tasks
+from hgpo_trl.envs import register_env
+from hgpo_trl.envs.keydoor import KeyDoorEnv, keydoor_tasks
 from hgpo_trl.advantages import compute_advantages, register_estimator
 
 CALLS = []
@@ -245,10 +245,10 @@ register_estimator("my_grpo", my_grpo)
 @pytest.fixture
 def own_registries(monkeypatch):
     """Registries restored after the test: what a user's module registers does not leak into other tests."""
-    import envs.registry
     import hgpo_trl.advantages
+    import hgpo_trl.envs.registry
 
-    monkeypatch.setattr(envs.registry, "_REGISTRY", dict(envs.registry._REGISTRY))
+    monkeypatch.setattr(hgpo_trl.envs.registry, "_REGISTRY", dict(hgpo_trl.envs.registry._REGISTRY))
     monkeypatch.setattr(hgpo_trl.advantages, "ESTIMATORS", dict(hgpo_trl.advantages.ESTIMATORS))
     monkeypatch.setattr("hgpo_trl.config.ESTIMATORS", hgpo_trl.advantages.ESTIMATORS)
     yield

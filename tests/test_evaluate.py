@@ -15,9 +15,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from envs import make_tasks
-from envs.alfworld import TASK_TYPES
 from hgpo_trl import evaluate
+from hgpo_trl.envs import make_tasks
+from hgpo_trl.envs.alfworld import TASK_TYPES
 from hgpo_trl.tiny import build_tiny_model, save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]

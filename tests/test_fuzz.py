@@ -21,9 +21,9 @@ from unittest import mock
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from envs import make_env, make_tasks
-from envs.pool import InProcessEnvs
 from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, MAX_ACTION_CHARS, parse_action
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.memory import Memory, fit_prompt
 from hgpo_trl.rollout import Completion, RolloutSettings, StepRecord, run_rollout
 

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import envs
-from envs.keydoor import (
+from hgpo_trl.envs import TextEnv, make_env, make_tasks, registered_envs
+from hgpo_trl.envs.keydoor import (
     NOTHING,
     KeyDoorEnv,
     KeyDoorTask,
@@ -281,14 +281,14 @@ def test_render_prompt_with_two_step_history():
 
 
 def test_registry():
-    assert "keydoor" in envs.registered_envs()
-    env = envs.make_env("keydoor", max_steps=8)
-    assert isinstance(env, envs.TextEnv) and env.max_steps == 8
-    assert envs.make_tasks("keydoor", "train").to_list() == keydoor_tasks("train").to_list()
-    assert len(envs.make_tasks("keydoor", "test", num_rooms=4, num_colors=4)) == 43
+    assert "keydoor" in registered_envs()
+    env = make_env("keydoor", max_steps=8)
+    assert isinstance(env, TextEnv) and env.max_steps == 8
+    assert make_tasks("keydoor", "train").to_list() == keydoor_tasks("train").to_list()
+    assert len(make_tasks("keydoor", "test", num_rooms=4, num_colors=4)) == 43
     with pytest.raises(ValueError, match=r"unknown environment 'nope'; registered: \[.*'keydoor'"):
-        envs.make_env("nope")
+        make_env("nope")
     with pytest.raises(ValueError, match="unknown environment 'nope'"):
-        envs.make_tasks("nope")
+        make_tasks("nope")
     with pytest.raises(ValueError, match="does not accept these options"):
-        envs.make_env("keydoor", colours=3)
+        make_env("keydoor", colours=3)

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-import envs
-from envs.keydoor import KeyDoorEnv
-from envs.pool import InProcessEnvs, StepResult, WorkerPoolEnvs, default_num_workers, make_env_batch
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.keydoor import KeyDoorEnv
+from hgpo_trl.envs.pool import InProcessEnvs, StepResult, WorkerPoolEnvs, default_num_workers, make_env_batch
 
 pytestmark = pytest.mark.timeout(60)
 
-KEYDOOR = functools.partial(envs.make_env, "keydoor", max_steps=8)
+KEYDOOR = functools.partial(make_env, "keydoor", max_steps=8)
 TASK = {"room1": "library", "room2": "kitchen", "color1": "red", "color2": "blue", "gold": "red"}
 GOLD_PATH = ["take red key", "go to hall", "go to vault", "open red door"]
 
@@ -80,7 +80,7 @@ def assert_plays_gold_path(batch, n):
 
 
 def test_worker_pool_matches_in_process():
-    rows = list(envs.make_tasks("keydoor", "train", num_rooms=3, num_colors=3).select(range(6)))
+    rows = list(make_tasks("keydoor", "train", num_rooms=3, num_colors=3).select(range(6)))
     script = [  # subsets of indices, invalid (None) and inadmissible actions included
         {0: "go to hall", 1: None, 2: f"take {rows[2]['color1']} key", 3: f"take {rows[3]['color2']} key", 5: "x"},
         {2: "go to hall", 3: "go to hall", 4: f"take {rows[4]['color1']} key"},

@@ -5,10 +5,10 @@ from functools import partial
 import numpy as np
 import pytest
 
-from envs import make_env, make_tasks
-from envs.keydoor import KeyDoorTask
-from envs.pool import InProcessEnvs
 from hgpo_trl.advantages import compute_advantages
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.keydoor import KeyDoorTask
+from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
 
 

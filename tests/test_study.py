@@ -5,7 +5,6 @@ import json
 import numpy as np
 import pytest
 
-from envs.keydoor import KeyDoorTask
 from hgpo_trl.advantages import ESTIMATORS, compute_advantages
 from hgpo_trl.diagnostics import study
 from hgpo_trl.diagnostics.study import (
@@ -18,6 +17,7 @@ from hgpo_trl.diagnostics.study import (
     sample_batch,
     step_table,
 )
+from hgpo_trl.envs.keydoor import KeyDoorTask
 
 TASK = KeyDoorTask("kitchen", "library", "red", "blue", gold="red")
 GOLD_KEY, COIN_KEY = "take red key", "take blue key"

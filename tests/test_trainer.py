@@ -11,10 +11,10 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
-from envs import make_tasks
-from envs.keydoor import KeyDoorEnv
 from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.config import HGPOConfig
+from hgpo_trl.envs import make_tasks
+from hgpo_trl.envs.keydoor import KeyDoorEnv
 from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.tiny import build_tiny_model
 from hgpo_trl.trainer import LOSS_INPUT_KEYS, HGPOTrainer
@@ -218,7 +218,7 @@ class RaisingEnv:
     """Keydoor whose second step raises for tasks marked `fault`: an environment that breaks mid-episode."""
 
     def __init__(self):
-        from envs.keydoor import KeyDoorEnv
+        from hgpo_trl.envs.keydoor import KeyDoorEnv
 
         self.env = KeyDoorEnv()
         self.render_prompt = self.env.render_prompt
@@ -268,7 +268,7 @@ def test_training_time_leaves_out_the_rollout(tmp_path, tiny_model, tiny_tokeniz
 
 
 def test_webshop_trains_and_logs_its_score(tmp_path):
-    from envs import make_env
+    from hgpo_trl.envs import make_env
     from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
     from hgpo_trl.warmstart import environment_corpus
 

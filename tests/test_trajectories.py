@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from envs import make_env, make_tasks
-from envs.pool import InProcessEnvs
 from hgpo_trl.advantages import compute_advantages
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
 from hgpo_trl.trajectories import read_records, rollout_records, show_episode, summarize, write_records
 from tests.test_trainer import make_config, make_trainer

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-import envs
-from envs.webshop import WebShopEnv, webshop_tasks
-from envs.webshop.catalogue import TYPES, Goal, Product, generate_goals, generate_products
-from envs.webshop.env import INVALID, parse_action
-from envs.webshop.reward import normalize_color, score, token_set_ratio, type_reward
-from envs.webshop.search import product_document
-from envs.webshop.shop import load_goals, load_shop
-from envs.webshop.tasks import SPLITS
+from hgpo_trl.envs import make_env, make_tasks, registered_envs
+from hgpo_trl.envs.webshop import WebShopEnv, webshop_tasks
+from hgpo_trl.envs.webshop.catalogue import TYPES, Goal, Product, generate_goals, generate_products
+from hgpo_trl.envs.webshop.env import INVALID, parse_action
+from hgpo_trl.envs.webshop.reward import normalize_color, score, token_set_ratio, type_reward
+from hgpo_trl.envs.webshop.search import product_document
+from hgpo_trl.envs.webshop.shop import load_goals, load_shop
+from hgpo_trl.envs.webshop.tasks import SPLITS
 
 SHOES = "Clothing, Shoes & Jewelry › Men › Shoes › Athletic › Running"
 
@@ -457,7 +457,7 @@ def test_prompt_follows_verl_agent():
 
 
 def test_registry():
-    assert "webshop" in envs.registered_envs()
-    env = envs.make_env("webshop", max_steps=5)
-    row = envs.make_tasks("webshop", "test", num_tasks=2)[1]
+    assert "webshop" in registered_envs()
+    env = make_env("webshop", max_steps=5)
+    row = make_tasks("webshop", "test", num_tasks=2)[1]
     assert env.max_steps == 5 and env.reset(row)[0] == "'Search'"

@@ -5,7 +5,7 @@ Modules: `catalogue` (products, goals, the generated catalogue), `original` (the
 `reward` (the purchase score), `env` (the environment), `tasks` (the task lists), `prompt` (the prompt).
 """
 
-from envs.webshop.env import WebShopEnv
-from envs.webshop.tasks import webshop_tasks
+from hgpo_trl.envs.webshop.env import WebShopEnv
+from hgpo_trl.envs.webshop.tasks import webshop_tasks
 
 __all__ = ["WebShopEnv", "webshop_tasks"]

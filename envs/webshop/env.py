@@ -23,13 +23,13 @@ from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
-from envs.base import Info
-from envs.webshop import pages
-from envs.webshop.catalogue import Goal, Product
-from envs.webshop.prompt import render_prompt
-from envs.webshop.reward import score
-from envs.webshop.shop import load_shop
-from envs.webshop.tasks import goal_from_row
+from hgpo_trl.envs.base import Info
+from hgpo_trl.envs.webshop import pages
+from hgpo_trl.envs.webshop.catalogue import Goal, Product
+from hgpo_trl.envs.webshop.prompt import render_prompt
+from hgpo_trl.envs.webshop.reward import score
+from hgpo_trl.envs.webshop.shop import load_shop
+from hgpo_trl.envs.webshop.tasks import goal_from_row
 
 INVALID = "Invalid action: nothing happens."
 SEARCH_PLACEHOLDER = "search[<your query>]"

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from envs.webshop.catalogue import Goal, Product, price_bound
+from hgpo_trl.envs.webshop.catalogue import Goal, Product, price_bound
 
 PRODUCTS_GLOB = "items_shuffle*.json"
 ATTRIBUTES_GLOB = "items_ins_v2*.json"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from envs.webshop.catalogue import Product
+from hgpo_trl.envs.webshop.catalogue import Product
 
 PRODUCT_WINDOW = 10  # engine.py: products per results page
 BACK_TO_SEARCH, NEXT_PAGE, PREV_PAGE, BUY_NOW = "Back to Search", "Next >", "< Prev", "Buy Now"

@@ -26,7 +26,7 @@ import difflib
 import re
 from dataclasses import dataclass
 
-from envs.webshop.catalogue import Goal, Product
+from hgpo_trl.envs.webshop.catalogue import Goal, Product
 
 EXACT_MATCH_OPTIONS = ("size",)
 FUZZY_THRESHOLD = 85

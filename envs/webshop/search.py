@@ -15,7 +15,7 @@ import bm25s
 import numpy as np
 import Stemmer
 
-from envs.webshop.catalogue import Product
+from hgpo_trl.envs.webshop.catalogue import Product
 
 SEARCH_RETURN_N = 50
 K1, B = 0.9, 0.4

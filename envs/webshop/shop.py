@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
 
-from envs.webshop import original
-from envs.webshop.catalogue import Goal, Product, generate_goals, generate_products
-from envs.webshop.search import SearchIndex, product_document
+from hgpo_trl.envs.webshop import original
+from hgpo_trl.envs.webshop.catalogue import Goal, Product, generate_goals, generate_products
+from hgpo_trl.envs.webshop.search import SearchIndex, product_document
 
 DEFAULT_NUM_PRODUCTS = 500
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import datasets
 
-from envs.webshop.catalogue import Goal
-from envs.webshop.shop import load_goals
+from hgpo_trl.envs.webshop.catalogue import Goal
+from hgpo_trl.envs.webshop.shop import load_goals
 
 SPLITS = ("train", "valid", "test")
 GOAL_SHUFFLE_SEED = 233

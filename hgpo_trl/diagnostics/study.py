@@ -72,7 +72,7 @@ Policy = Callable[[Any, str, str | None, Sequence[str]], np.ndarray]
 
 def keydoor_policy(p_key: float, p_door: float) -> Policy:
     """pi(action | history) over the admissible actions, given the task, the position and the key held."""
-    from envs.keydoor import ENTRANCE, VAULT
+    from hgpo_trl.envs.keydoor import ENTRANCE, VAULT
 
     def policy(task, position: str, key: str | None, actions: Sequence[str]) -> np.ndarray:
         if position == ENTRANCE:
@@ -102,7 +102,7 @@ def exact_leaves(task, policy: Policy, gamma: float, *, gold_reward: float = 10.
 
     V is 0 after the last step, whether the episode terminated or was cut at `max_steps` (as the estimators
     assume: the batch holds nothing after a trajectory's last step)."""
-    from envs.keydoor import ENTRANCE, admissible_actions, initial_observation, transition
+    from hgpo_trl.envs.keydoor import ENTRANCE, admissible_actions, initial_observation, transition
 
     def expand(position: str, key: str | None, obs: str, t: int) -> tuple[float, list[Leaf]]:
         # Returns V(h) and the leaves below h, each holding the steps from h onwards.
@@ -221,7 +221,7 @@ def summarise(n: np.ndarray, total: np.ndarray, squares: np.ndarray, cells: np.n
 
 def run_study(settings: Settings, labels: Sequence[str] | None = None, tasks: Sequence[Any] | None = None) -> dict:
     """Sample `settings.batches` batches, run every estimator on each, and report its errors against exact A."""
-    from envs.keydoor import KeyDoorTask, keydoor_tasks
+    from hgpo_trl.envs.keydoor import KeyDoorTask, keydoor_tasks
 
     began = time.perf_counter()
     labels = list(ESTIMATOR_SPECS) if labels is None else list(labels)

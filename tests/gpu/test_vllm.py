@@ -18,8 +18,8 @@ if not torch.cuda.is_available():
     pytest.skip("vLLM tests need a CUDA GPU", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from envs import make_tasks  # noqa: E402
 from hgpo_trl.config import HGPOConfig  # noqa: E402
+from hgpo_trl.envs import make_tasks  # noqa: E402
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny  # noqa: E402
 from hgpo_trl.trainer import HGPOTrainer  # noqa: E402
 from tests.conftest import keydoor_corpus  # noqa: E402

@@ -1,0 +1,23 @@
+"""Text environments for multi-turn agent RL: the `TextEnv` protocol, a registry, and the environments.
+
+Import them as `hgpo_trl.envs` (`from hgpo_trl.envs import make_env, make_tasks, register_env`). Their modules
+live in the repository's top-level `envs/` folder, the project's layout; a wheel installs them here, beside this
+file, and a source checkout (or the editable install, which adds the checkout to `sys.path`) finds them there.
+"""
+
+from pathlib import Path
+
+if not (Path(__file__).parent / "base.py").is_file():
+    __path__.append(str(Path(__file__).resolve().parents[2] / "envs"))
+
+from hgpo_trl.envs.alfworld import AlfWorldEnv, alfworld_tasks
+from hgpo_trl.envs.base import Info, TextEnv
+from hgpo_trl.envs.keydoor import KeyDoorEnv, keydoor_tasks
+from hgpo_trl.envs.registry import make_env, make_tasks, register_env, registered_envs
+from hgpo_trl.envs.webshop import WebShopEnv, webshop_tasks
+
+__all__ = ["Info", "TextEnv", "make_env", "make_tasks", "register_env", "registered_envs"]
+
+register_env("keydoor", KeyDoorEnv, keydoor_tasks, fast=True)
+register_env("alfworld", AlfWorldEnv, alfworld_tasks, prompt_has_format=True)  # 0.1 s a step, 2-3 s a new game
+register_env("webshop", WebShopEnv, webshop_tasks, fast=True, prompt_has_format=True)  # generated shop: ~0.2 ms a step

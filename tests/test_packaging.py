@@ -1,0 +1,102 @@
+"""One installed name (issue 16): the environments are `hgpo_trl.envs`, from a wheel, the editable install and
+a bare source checkout alike, and nothing generic such as `envs` is installed at top level."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(300)
+
+# Imports the environments, builds keydoor tasks and plays one episode to its end; prints where they came from.
+PLAY_ONE_EPISODE = """
+import hgpo_trl.envs as envs
+from hgpo_trl.envs import make_env, make_tasks
+env = make_env("keydoor", max_steps=8)
+row = make_tasks("keydoor", "train")[0]
+observation, info = env.reset(row)
+gold = row["gold"]
+for action in [f"take {gold} key", "go to hall", "go to vault", f"open {gold} door"]:
+    observation, reward, terminated, truncated, info = env.step(action)
+assert terminated and info["won"] and reward > 0, (observation, reward, info)
+import hgpo_trl.envs.webshop.env as webshop_env
+print(envs.__file__)
+print(webshop_env.__file__)
+"""
+
+
+def run_python(python: Path | str, code: str, cwd: Path, **env) -> list[str]:
+    result = subprocess.run([str(python), "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--wheel-dir", str(out), str(ROOT)], check=True, timeout=240)
+    (path,) = out.glob("hgpo_trl-*.whl")
+    return path
+
+
+def bare_venv(where: Path) -> Path:
+    """A fresh venv outside the repository that sees the project venv's dependencies but not hgpo-trl: a .pth
+    line adds their site-packages (whose own .pth files, the editable install's among them, are not run)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True, timeout=120)
+    python = where / "bin" / "python"
+    purelib = run_python(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])", where)[0]
+    Path(purelib, "project_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def test_the_wheel_installs_one_top_level_package_with_every_environment_module(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"hgpo_trl", wheel.name.split("-py")[0] + ".dist-info"}
+    tracked = subprocess.run(["git", "ls-files", "envs"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    modules = [name for name in tracked if name.endswith(".py")]
+    assert len(modules) > 10
+    assert {f"hgpo_trl/{name}" for name in modules} <= set(names)
+    assert "hgpo_trl/envs/__init__.py" in names and not any("__pycache__" in name for name in names)
+
+
+def test_the_wheel_in_a_fresh_venv_outside_the_repository_plays_keydoor(wheel, tmp_path):
+    python = bare_venv(tmp_path / "venv")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--no-index", str(wheel)], check=True, timeout=120)
+    installed = Path(run_python(python, "import sysconfig; print(sysconfig.get_paths()['purelib'])", tmp_path)[0])
+    code = "import importlib.util\nassert importlib.util.find_spec('envs') is None\n" + PLAY_ONE_EPISODE
+    init, webshop = run_python(python, code, cwd=tmp_path)
+    assert Path(init) == installed / "hgpo_trl" / "envs" / "__init__.py"
+    assert Path(webshop) == installed / "hgpo_trl" / "envs" / "webshop" / "env.py"
+
+
+@pytest.mark.parametrize("how", ["from the repository root", "PYTHONPATH=."])
+def test_a_source_checkout_without_any_install_finds_the_environments_in_envs(tmp_path, how):
+    python = bare_venv(tmp_path / "venv")
+    cwd, env = (ROOT, {}) if how == "from the repository root" else (tmp_path, {"PYTHONPATH": str(ROOT)})
+    init, webshop = run_python(python, PLAY_ONE_EPISODE, cwd=cwd, **env)
+    assert Path(init) == ROOT / "hgpo_trl" / "envs" / "__init__.py"
+    assert Path(webshop) == ROOT / "envs" / "webshop" / "env.py"
+
+
+def test_the_editable_install_works_from_any_folder(tmp_path):
+    init, webshop = run_python(sys.executable, PLAY_ONE_EPISODE, cwd=tmp_path)
+    assert (Path(init), Path(webshop)) == (ROOT / "hgpo_trl" / "envs" / "__init__.py", ROOT / "envs" / "webshop" / "env.py")
+
+
+def test_a_module_named_envs_earlier_on_the_path_does_not_shadow_ours(tmp_path):
+    """PyPI's `envs` or a user's own `envs/` folder: both stay theirs, and ours is still `hgpo_trl.envs`."""
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "__init__.py").write_text("THEIRS = True\n")
+    code = "import importlib\ntheirs = importlib.import_module('envs')\nassert theirs.THEIRS\n" + PLAY_ONE_EPISODE
+    init, _ = run_python(sys.executable, code, cwd=tmp_path, PYTHONPATH=str(tmp_path))
+    assert Path(init) == ROOT / "hgpo_trl" / "envs" / "__init__.py"
