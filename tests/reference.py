@@ -46,48 +46,54 @@ def returns(rows, gamma, penalty) -> dict:
     return out
 
 
-def normalize(values: list[float], norm: str) -> list[float]:
-    """Within-group normalisation: all-equal (or singleton) groups give exactly 0; population std."""
+def normalize(values: list[float], norm: str, ddof: int = 0) -> list[float]:
+    """Within-group normalisation: all-equal (or singleton) groups give exactly 0; std with `ddof` (0: population)."""
     n = len(values)
     if n < 2 or max(values) == min(values):
         return [0.0] * n
     mean = sum(values) / n
     if norm == "mean_norm":
         return [v - mean for v in values]
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / n)
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - ddof))
     return [(v - mean) / (std + 1e-6) for v in values]
 
 
-def normalize_groups(keys: dict, values: dict, norm: str) -> dict:
+def normalize_groups(keys: dict, values: dict, norm: str, ddof: int = 0) -> dict:
     """keys: row index -> group key (rows absent from keys take no part); returns row index -> advantage."""
     members = {}
     for i, key in keys.items():
         members.setdefault(key, []).append(i)
     out = {}
     for idx in members.values():
-        for i, a in zip(idx, normalize([values[i] for i in idx], norm), strict=True):
+        for i, a in zip(idx, normalize([values[i] for i in idx], norm, ddof), strict=True):
             out[i] = a
     return out
 
 
-def grpo(batch, norm="mean_std_norm", episode_stats="trajectories", invalid_penalty=0.1):
+def episode_units(batch, episode_stats, invalid_penalty):
+    """The episode term's units: (unit key per row index, group key per unit, score per unit)."""
     rows = rows_of(batch)
     trajs = trajectories(rows)
     total = {t: sum(r["reward"] for r in steps) for t, steps in trajs.items()}
     if episode_stats == "trajectories":
         score = {t: total[t] - invalid_penalty * sum(not r["valid"] for r in steps) for t, steps in trajs.items()}
-        adv = normalize_groups({t: steps[0]["group"] for t, steps in trajs.items()}, score, norm)
-        return [adv[r["traj"]] for r in rows]
+        return {r["i"]: r["traj"] for r in rows}, {t: steps[0]["group"] for t, steps in trajs.items()}, score
     score = {r["i"]: total[r["traj"]] - (invalid_penalty if not r["valid"] else 0.0) for r in rows}
-    adv = normalize_groups({r["i"]: r["group"] for r in rows}, score, norm)
-    return [adv[r["i"]] for r in rows]
+    return {r["i"]: r["i"] for r in rows}, {r["i"]: r["group"] for r in rows}, score
 
 
-def gigpo(batch, gamma=0.95, omega=1.0, norm="mean_std_norm", episode_stats="trajectories", invalid_penalty=0.1):
+def grpo(batch, norm="mean_std_norm", episode_stats="trajectories", std_ddof=0, invalid_penalty=0.1):
+    unit, group, score = episode_units(batch, episode_stats, invalid_penalty)
+    adv = normalize_groups(group, score, norm, std_ddof)
+    return [adv[unit[i]] for i in range(len(batch.group))]
+
+
+def gigpo(batch, gamma=0.95, omega=1.0, norm="mean_std_norm", episode_stats="trajectories", std_ddof=0,
+          invalid_penalty=0.1):
     rows = rows_of(batch)
-    episode = grpo(batch, norm, episode_stats, invalid_penalty)
+    episode = grpo(batch, norm, episode_stats, std_ddof, invalid_penalty)
     ret = returns(rows, gamma, invalid_penalty)
-    step = normalize_groups({r["i"]: (r["group"], r["obs"]) for r in rows}, ret, norm)
+    step = normalize_groups({r["i"]: (r["group"], r["obs"]) for r in rows}, ret, norm, std_ddof)
     return [episode[r["i"]] + omega * step[r["i"]] for r in rows]
 
 
@@ -108,14 +114,15 @@ def group_members(keys: dict) -> dict:
 
 
 def hgpo(batch, gamma=0.95, history_length=2, alpha=1.0, norm="mean_std_norm", weighting="power",
-         base_group=False, drop_zero_items=False, invalid_penalty=0.1):
+         base_group=False, drop_zero_items=False, episode_stats="trajectories", std_ddof=0, invalid_penalty=0.1):
     rows = rows_of(batch)
     by_traj = trajectories(rows)
     ret = returns(rows, gamma, invalid_penalty)
-    base = grpo(batch, norm, "trajectories", invalid_penalty)
-    trajs_per_group = {}
-    for t, steps in by_traj.items():
-        trajs_per_group.setdefault(steps[0]["group"], []).append(t)
+    base = grpo(batch, norm, episode_stats, std_ddof, invalid_penalty)
+    _, unit_group, unit_score = episode_units(batch, episode_stats, invalid_penalty)
+    units_per_group = {}
+    for u, g in unit_group.items():
+        units_per_group.setdefault(g, []).append(u)
     task_returns = {}
     for r in rows:
         task_returns.setdefault(r["group"], []).append(ret[r["i"]])
@@ -141,11 +148,8 @@ def hgpo(batch, gamma=0.95, history_length=2, alpha=1.0, norm="mean_std_norm", w
             if i in keys and len(members[keys[i]]) >= 2:
                 vals = [ret[j] for j in members[keys[i]]]
                 items.append((k, adv[i], sum(vals) / len(vals), pvar(vals), len(vals)))
-        if base_group and len(trajs_per_group[r["group"]]) >= 2:
-            scores = []
-            for t in trajs_per_group[r["group"]]:
-                steps = by_traj[t]
-                scores.append(sum(s["reward"] for s in steps) - invalid_penalty * sum(not s["valid"] for s in steps))
+        if base_group and len(units_per_group[r["group"]]) >= 2:
+            scores = [unit_score[u] for u in units_per_group[r["group"]]]
             items.append(("base", base[i], sum(scores) / len(scores), pvar(scores), len(scores)))
         if drop_zero_items:
             items = [it for it in items if abs(it[1]) > 1e-12]

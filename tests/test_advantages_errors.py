@@ -11,6 +11,7 @@ from hgpo_trl.advantages import (
     compute_advantages,
     estimator_options,
     register_estimator,
+    released_options,
 )
 
 
@@ -63,6 +64,14 @@ BAD_OPTIONS = [
     ("gigpo", {"gamma": -0.1}, r"gamma must be in \[0, 1\]"),
     ("gigpo", {"omega": math.nan}, "omega must be finite"),
     ("grpo", {"episode_stats": "episodes"}, "episode_stats must be one of"),
+    ("gigpo", {"episode_stats": "rows"}, "episode_stats must be one of"),
+    ("hgpo", {"episode_stats": "rows"}, "episode_stats must be one of"),  # checked with base_group off too
+    ("grpo", {"std_ddof": 2}, r"std_ddof must be one of \(0, 1\), got 2"),
+    ("gigpo", {"std_ddof": -1}, "std_ddof must be one of"),
+    ("hgpo", {"std_ddof": 0.5}, "std_ddof must be one of"),
+    ("hgpo", {"std_ddof": True}, "std_ddof must be one of .*True"),
+    ("progpo", {"std_ddof": 1}, r"'progpo' does not take option\(s\) \['std_ddof'\]"),
+    ("grpo", {"drop_zero_items": True}, r"'grpo' does not take option\(s\) \['drop_zero_items'\]"),
     ("hgpo", {"invalid_penalty": math.nan}, "invalid_penalty must be finite"),
     ("progpo", {"lam": math.inf}, "lam must be finite"),
 ]
@@ -72,6 +81,11 @@ BAD_OPTIONS = [
 def test_bad_options_name_the_option(name, options, message):
     with pytest.raises(ValueError, match=message):
         compute_advantages(name, good(), **options)
+
+
+def test_released_options_exist_only_for_released_estimators():
+    with pytest.raises(ValueError, match="'progpo' has no released counterpart"):
+        released_options("progpo")
 
 
 def test_progpo_needs_actions():

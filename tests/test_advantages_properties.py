@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hgpo_trl.advantages import StepBatch, compute_advantages, discounted_returns
+from hgpo_trl.advantages import StepBatch, compute_advantages, discounted_returns, released_options
 from tests import reference
 
 FIELDS = ("group", "traj", "step", "obs", "reward", "valid", "action", "window")
@@ -51,26 +51,31 @@ def assert_matches_reference(name, batch, **options):
 
 norms = st.sampled_from(["mean_norm", "mean_std_norm"])
 gammas = st.sampled_from([0.0, 0.5, 0.95, 1.0])
+episode_stats = st.sampled_from(["trajectories", "steps"])
+ddofs = st.sampled_from([0, 1])
 
 
 @SETTINGS
-@given(step_batches(), norms, st.sampled_from(["trajectories", "steps"]), st.sampled_from([0.0, 0.1, 1.0]))
-def test_grpo_matches_reference(batch, norm, episode_stats, penalty):
-    assert_matches_reference("grpo", batch, norm=norm, episode_stats=episode_stats, invalid_penalty=penalty)
+@given(step_batches(), norms, episode_stats, ddofs, st.sampled_from([0.0, 0.1, 1.0]))
+def test_grpo_matches_reference(batch, norm, stats, ddof, penalty):
+    assert_matches_reference("grpo", batch, norm=norm, episode_stats=stats, std_ddof=ddof, invalid_penalty=penalty)
 
 
 @SETTINGS
-@given(step_batches(), norms, gammas, st.sampled_from([0.0, 1.0, 2.5]), st.sampled_from(["trajectories", "steps"]))
-def test_gigpo_matches_reference(batch, norm, gamma, omega, episode_stats):
-    assert_matches_reference("gigpo", batch, norm=norm, gamma=gamma, omega=omega, episode_stats=episode_stats)
+@given(step_batches(), norms, gammas, st.sampled_from([0.0, 1.0, 2.5]), episode_stats, ddofs)
+def test_gigpo_matches_reference(batch, norm, gamma, omega, stats, ddof):
+    assert_matches_reference("gigpo", batch, norm=norm, gamma=gamma, omega=omega, episode_stats=stats,
+                             std_ddof=ddof)
 
 
 @SETTINGS
 @given(step_batches(with_window=True) | step_batches(), norms, gammas, st.integers(0, 4),
-       st.sampled_from([0.0, 1.0, 2.0, 7.5]), st.sampled_from(["power", "inverse_mse"]), st.booleans(), st.booleans())
-def test_hgpo_matches_reference(batch, norm, gamma, k, alpha, weighting, base_group, drop_zero_items):
+       st.sampled_from([0.0, 1.0, 2.0, 7.5]), st.sampled_from(["power", "inverse_mse"]), st.booleans(), st.booleans(),
+       episode_stats, ddofs)
+def test_hgpo_matches_reference(batch, norm, gamma, k, alpha, weighting, base_group, drop_zero_items, stats, ddof):
     assert_matches_reference("hgpo", batch, norm=norm, gamma=gamma, history_length=k, alpha=alpha,
-                             weighting=weighting, base_group=base_group, drop_zero_items=drop_zero_items)
+                             weighting=weighting, base_group=base_group, drop_zero_items=drop_zero_items,
+                             episode_stats=stats, std_ddof=ddof)
 
 
 @SETTINGS
@@ -120,18 +125,24 @@ def test_hgpo_large_alpha_is_the_deepest_contributing_level(batch, norm, k_max):
 
 
 @SETTINGS
-@given(step_batches(), st.sampled_from(["grpo", "gigpo", "hgpo", "progpo"]), st.randoms(use_true_random=False))
-def test_output_does_not_depend_on_row_order(batch, name, rnd):
+@given(step_batches(), st.sampled_from(["grpo", "gigpo", "hgpo", "progpo"]), st.booleans(), norms,
+       st.randoms(use_true_random=False))
+def test_output_does_not_depend_on_row_order(batch, name, released, norm, rnd):
+    # Our defaults, and the released-compatible options (per-row episode statistics, ddof 1, the zero filter).
+    options = {"norm": norm}
+    if released and name != "progpo":
+        options.update(released_options(name), **({"base_group": True} if name == "hgpo" else {}))
     perm = list(range(len(batch)))
     rnd.shuffle(perm)
     shuffled = StepBatch(**{f: None if getattr(batch, f) is None else [getattr(batch, f)[i] for i in perm]
                             for f in FIELDS})
-    np.testing.assert_array_equal(compute_advantages(name, shuffled), compute_advantages(name, batch)[perm])
+    np.testing.assert_array_equal(compute_advantages(name, shuffled, **options),
+                                  compute_advantages(name, batch, **options)[perm])
 
 
 @SETTINGS
-@given(step_batches(), norms, st.floats(-100, 100), st.integers(0, 4))
-def test_all_equal_values_give_exactly_zero(batch, norm, c, k):
+@given(step_batches(), norms, st.floats(-100, 100), st.integers(0, 4), episode_stats, ddofs)
+def test_all_equal_values_give_exactly_zero(batch, norm, c, k, stats, ddof):
     # Every episode's total reward is c (at its last step): every GRPO group is all-equal.
     last = {}
     for traj, step in zip(batch.traj, batch.step, strict=True):
@@ -139,19 +150,23 @@ def test_all_equal_values_give_exactly_zero(batch, norm, c, k):
     final = [c if step == last[traj] else 0.0 for traj, step in zip(batch.traj, batch.step, strict=True)]
     valid = [True] * len(batch)
     episode_equal = StepBatch(batch.group, batch.traj, batch.step, batch.obs, final, valid)
-    assert np.all(compute_advantages("grpo", episode_equal, norm=norm) == 0.0)
+    # (All valid: under episode_stats="steps" every row of a trajectory carries its episode's score.)
+    episode = {"episode_stats": stats, "std_ddof": ddof}
+    assert np.all(compute_advantages("grpo", episode_equal, norm=norm, **episode) == 0.0)
     # With gamma 0 and reward c at every step, every return is c: every anchor and level group is all-equal.
     returns_equal = StepBatch(batch.group, batch.traj, batch.step, batch.obs, [c] * len(batch), valid)
-    assert np.all(compute_advantages("hgpo", returns_equal, norm=norm, gamma=0.0, history_length=k) == 0.0)
-    np.testing.assert_array_equal(compute_advantages("gigpo", returns_equal, norm=norm, gamma=0.0),
-                                  compute_advantages("grpo", returns_equal, norm=norm))
+    assert np.all(compute_advantages("hgpo", returns_equal, norm=norm, gamma=0.0, history_length=k, **episode) == 0.0)
+    np.testing.assert_array_equal(compute_advantages("gigpo", returns_equal, norm=norm, gamma=0.0, **episode),
+                                  compute_advantages("grpo", returns_equal, norm=norm, **episode))
 
 
 @SETTINGS
 @given(step_batches(with_window=True, rewards=st.floats(-1e6, 1e6)), st.sampled_from(["grpo", "gigpo", "hgpo", "progpo"]),
-       norms, gammas)
-def test_never_nan_or_inf(batch, name, norm, gamma):
+       norms, gammas, st.booleans())
+def test_never_nan_or_inf(batch, name, norm, gamma, released):
     options = {"norm": norm} if name == "grpo" else {"norm": norm, "gamma": gamma}
+    if released and name != "progpo":
+        options.update(released_options(name))
     assert np.all(np.isfinite(compute_advantages(name, batch, **options)))
 
 

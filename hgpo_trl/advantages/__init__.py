@@ -4,6 +4,7 @@
     adv = compute_advantages("hgpo", batch, gamma=0.95, history_length=2, alpha=1.0)
 
 Estimators by name: "grpo", "gigpo", "hgpo", "progpo", and any added with `register_estimator`.
+`released_options(name)` gives the options that reproduce the released verl-agent code for grpo, gigpo and hgpo.
 The specification is ALGORITHMS.md (project docs: docs/concepts.md).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +49,33 @@ def estimator_options(name: str) -> list[str]:
     return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
+# The options that restore the released verl-agent behaviour (recipe/hgpo, gigpo, verl's GRPO with
+# compute_mean_std_cross_steps=True, its default): episode statistics over step rows (each row scored by its
+# episode's reward minus the invalid penalty if that row was invalid), torch.std's ddof 1 where the release uses
+# it, and HGPO's filter of items equal to 0. The norm stays the caller's (released: ALFWorld mean_std_norm, WebShop
+# mean_norm); gamma 0.95 and invalid_penalty 0.1 are already the defaults. HGPOConfig's fields carry the same names,
+# so `HGPOConfig(estimator=name, **released_options(name), ...)` trains with them.
+RELEASED_OPTIONS: dict[str, dict[str, Any]] = {
+    "grpo": {"episode_stats": "steps", "std_ddof": 1},
+    "gigpo": {"episode_stats": "steps", "std_ddof": 1},
+    "hgpo": {"episode_stats": "steps", "std_ddof": 1, "drop_zero_items": True},
+}
+
+
+def released_options(name: str) -> dict[str, Any]:
+    """The keyword options of estimator `name` that reproduce the released code (a fresh dict).
+
+    Raises ValueError for an estimator without a released counterpart, or whose signature no longer takes them."""
+    if name not in RELEASED_OPTIONS:
+        raise ValueError(f"estimator {name!r} has no released counterpart; released options exist for "
+                         f"{sorted(RELEASED_OPTIONS)}")
+    options = dict(RELEASED_OPTIONS[name])
+    unknown = sorted(set(options) - set(estimator_options(name)))
+    if unknown:
+        raise ValueError(f"estimator {name!r} does not take released option(s) {unknown}")
+    return options
+
+
 def compute_advantages(name: str, batch: StepBatch, **options) -> np.ndarray:
     """One advantage per step of `batch` (float64, in the batch's row order) from estimator `name`.
 
@@ -74,6 +103,7 @@ def _lookup(name: str) -> Estimator:
 
 __all__ = [
     "ESTIMATORS",
+    "RELEASED_OPTIONS",
     "LevelStats",
     "StepBatch",
     "compute_advantages",
@@ -86,5 +116,6 @@ __all__ = [
     "observation_keys",
     "progpo_advantages",
     "register_estimator",
+    "released_options",
     "semantic_key",
 ]

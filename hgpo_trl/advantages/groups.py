@@ -10,12 +10,19 @@ import numpy as np
 
 NORMS = ("mean_norm", "mean_std_norm")
 STD_EPS = 1e-6
+# ddof of mean_std_norm's std: 0 (population, this project's default) or 1 (torch.std, where the release uses it).
+DDOFS = (0, 1)
 _RADIX_LIMIT = 1 << 16  # numpy sorts 16-bit keys stably by radix sort: O(N), several times faster
 
 
 def check_norm(norm: str) -> None:
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+
+
+def check_ddof(std_ddof: int) -> None:
+    if isinstance(std_ddof, bool) or std_ddof not in DDOFS:
+        raise ValueError(f"std_ddof must be one of {DDOFS}, got {std_ddof!r}")
 
 
 def narrow(codes: np.ndarray) -> np.ndarray:
@@ -118,14 +125,15 @@ class Groups:
         centred = self._centred(values[self.order])
         return self.spread(self._sum(centred * centred) / self.sizes)
 
-    def normalize(self, values: np.ndarray, norm: str) -> np.ndarray:
+    def normalize(self, values: np.ndarray, norm: str, ddof: int = 0) -> np.ndarray:
         """Per row: its value normalised within its group; exactly 0 for singletons, for groups whose values
         are all equal (tested exactly, not through a std that rounding leaves at ~1e-15) and for rows outside
-        the partition."""
+        the partition. `ddof`: 0 (population std) or 1 (sample std, torch.std's default); a ddof-1 std of one
+        value is undefined, and a singleton gets 0 under either."""
         ordered = values[self.order]
         centred = self._centred(ordered)
         if norm == "mean_std_norm":
-            std = np.sqrt(self._sum(centred * centred) / self.sizes)
+            std = np.sqrt(self._sum(centred * centred) / np.maximum(self.sizes - ddof, 1))
             centred = centred / (std + STD_EPS)[self.run]
         representative = np.empty(self.num_groups)
         representative[self.run] = ordered  # any member's value will do
@@ -140,6 +148,6 @@ def group_ids(*columns: np.ndarray) -> np.ndarray:
     return groups.spread(np.arange(groups.num_groups))
 
 
-def normalize_within(ids: np.ndarray, values: np.ndarray, norm: str) -> np.ndarray:
+def normalize_within(ids: np.ndarray, values: np.ndarray, norm: str, ddof: int = 0) -> np.ndarray:
     """`values` normalised within the groups of equal `ids` (see `Groups.normalize`)."""
-    return Groups.of(ids).normalize(values, norm)
+    return Groups.of(ids).normalize(values, norm, ddof)

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hgpo_trl.advantages.batch import SortedSteps, StepBatch, sort_steps
-from hgpo_trl.advantages.groups import Groups, check_norm
-from hgpo_trl.advantages.grpo import episode_advantages
-from hgpo_trl.advantages.returns import episode_scores, sorted_returns
+from hgpo_trl.advantages.groups import Groups, check_ddof, check_norm
+from hgpo_trl.advantages.grpo import check_episode_stats, episode_groups
+from hgpo_trl.advantages.returns import sorted_returns
 
 WEIGHTINGS = ("power", "inverse_mse")
 # inverse_mse floors each group's return variance at this share of its task group's pooled variance, so a
@@ -57,7 +57,8 @@ def check_level_args(history_length: int, alpha: float, norm: str, weighting: st
 
 def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: int = 2, alpha: float = 1.0,
                     norm: str = "mean_std_norm", weighting: str = "power", base_group: bool = False,
-                    drop_zero_items: bool = False, invalid_penalty: float = 0.1) -> np.ndarray:
+                    drop_zero_items: bool = False, episode_stats: str = "trajectories", std_ddof: int = 0,
+                    invalid_penalty: float = 0.1) -> np.ndarray:
     """HGPO advantages: `A = sum_k w_k a_k / sum_k w_k` over the levels k = 0..K where the step has a peer.
 
     Args:
@@ -69,15 +70,19 @@ def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: in
         base_group: add the GRPO episode advantage as one more item, of weight 1 in the released `(k+2)^alpha`
             units (with inverse_mse, weighted from its own group of episode scores).
         drop_zero_items: reproduce the released filter that drops every item equal to 0 (here: |a| <= 1e-12,
-            so float rounding does not decide). By default
+            so float rounding does not decide), the base item included. By default
             this project keeps them: an all-equal context-consistent group means "no advantage", and dropping
             it would fall back on the biased shallow levels.
+        episode_stats, std_ddof: how the base item is computed, as in `grpo_advantages` (released:
+            "steps" and 1). The levels always use the population std (ddof 0), as released.
 
     A level whose group is a singleton does not contribute; a group whose returns are all equal contributes an
     exact 0; a step with no contributing item gets 0. Weights are computed relative to each step's deepest
     contributing level, so a large alpha neither overflows nor underflows.
     """
     check_level_args(history_length, alpha, norm, weighting)
+    check_episode_stats(episode_stats)
+    check_ddof(std_ddof)
     steps = sort_steps(batch)
     returns = sorted_returns(steps, gamma, invalid_penalty)
     levels = Groups.stack(history_levels(steps, steps.obs, history_length))
@@ -103,18 +108,19 @@ def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: in
         weights = 1.0 / ((means - deepest_mean) ** 2 + variances / sizes)
 
     if base_group:
-        trajectories = Groups.of(steps.group[steps.traj_start])
-        base_on = (trajectories.size() >= 2)[steps.traj]
-        base_item = episode_advantages(steps, norm, "trajectories", invalid_penalty)
+        # The base item compares the episode scores of the task group (per trajectory, or per step row with
+        # episode_stats="steps"); it contributes where that comparison has at least 2 members.
+        units, scores, unit = episode_groups(steps, episode_stats, invalid_penalty)
+        base_on = units.size()[unit] >= 2
+        base_item = units.normalize(scores, norm, std_ddof)[unit]
         if drop_zero_items:
             base_on &= np.abs(base_item) > ZERO_TOLERANCE
         if weighting == "power":
             base_weight = np.exp(-alpha * np.log(deepest + 2.0))
         else:
-            scores = episode_scores(steps, invalid_penalty)
-            base_mean = trajectories.mean(scores)[steps.traj]
-            base_var = np.maximum(trajectories.variance(scores)[steps.traj], TINY)
-            base_n = np.maximum(trajectories.size()[steps.traj], 1)
+            base_mean = units.mean(scores)[unit]
+            base_var = np.maximum(units.variance(scores)[unit], TINY)
+            base_n = np.maximum(units.size()[unit], 1)
             base_weight = 1.0 / ((base_mean - deepest_mean[0]) ** 2 + base_var / base_n)
         items = np.vstack([items, base_item])
         on = np.vstack([on, base_on])
