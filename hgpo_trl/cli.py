@@ -53,6 +53,9 @@ class EnvArguments:
                                         "{num_rooms: 3} or {data_path: ...}; JSON on the command line."})
     num_train_tasks: int | None = field(default=None, metadata={"help": "Use at most this many training tasks."})
     num_eval_tasks: int | None = field(default=None, metadata={"help": "Use at most this many evaluation tasks."})
+    eval_before_training: bool = field(
+        default=True, metadata={"help": "Evaluate before the first iteration (the start of learning.png and "
+                                        "summary.json's success_rate_start; released: trainer.val_before_train)."})
     warmstart_steps: int = field(
         default=0, metadata={"help": "Supervised warm-start steps on random admissible actions before RL (tiny "
                                      "models emit no valid action without it); 0: none."})
@@ -263,7 +266,8 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args),
                           callbacks=[IterationLine()])
-    if eval_tasks is not None and not args.resume_from_checkpoint:  # a resumed run has it in its log history
+    if eval_tasks is not None and env_args.eval_before_training and not args.resume_from_checkpoint:
+        # (a resumed run has it in its log history)
         trainer.add_callback(EvaluationBeforeTraining(trainer.evaluate()))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
@@ -272,7 +276,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     summary = {
         "success_rate_start": before.get("eval_success_rate"),
         "success_rate_end": after.get("eval_success_rate"),
-        "iterations": sum("env/success_rate" in h for h in trainer.state.log_history),
+        "iterations": trainer.completed_iterations,
         "optimizer_steps": trainer.state.global_step,
         "wall_seconds": round(time.time() - start, 1),
         **warmstart,

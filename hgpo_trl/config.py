@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -13,11 +16,12 @@ from trl import GRPOConfig
 
 from hgpo_trl.actions import ACTION_MODES
 from hgpo_trl.advantages import ESTIMATORS, estimator_options
-from hgpo_trl.advantages.groups import NORMS
+from hgpo_trl.advantages.groups import DDOFS, NORMS
 from hgpo_trl.advantages.grpo import EPISODE_STATS
 from hgpo_trl.advantages.hgpo import WEIGHTINGS
 from hgpo_trl.envs.registry import prompt_has_format
 from hgpo_trl.rollout import INVALID_ACTIONS, RolloutSettings
+from hgpo_trl.step_batches import FILLS, STEP_BATCHINGS
 
 
 def cpu_precision_default(use_cpu: bool) -> bool | None:
@@ -58,7 +62,34 @@ class HGPOConfig(GRPOConfig):
         default=3, metadata={"help": "Stop (after saving a checkpoint) when this many iterations in a row have more "
                                      "than half their episodes failed by environment faults; 0: never stop."})
     train_iterations: int | None = field(
-        default=None, metadata={"help": "Rollout iterations to train for; sets max_steps (optimizer steps) from it."})
+        default=None, metadata={"help": "Rollout iterations to train for; sets max_steps (optimizer steps) from it "
+                                        "(under all_steps, an upper bound: iterations stop the run)."})
+
+    # Step samples and optimizer steps
+    step_batching: str = field(
+        default="fixed_budget", metadata={
+            "help": "'fixed_budget': per_device_train_batch_size x steps_per_generation step samples per process "
+                    "and iteration (drawn from the steps, or padded), one pass of TRL's buffer; 'all_steps' (as "
+                    "released): every collected step is trained once per iteration, in mini-batches of "
+                    "mini_batch_size with one optimizer step each, as many as the steps fill."})
+    mini_batch_size: int | None = field(
+        default=None, metadata={"help": "all_steps: step samples per optimizer step over all processes (released "
+                                        "ppo_mini_batch_size); sets gradient_accumulation_steps to mini_batch_size "
+                                        "/ (per_device_train_batch_size x processes). None: per_device_train_"
+                                        "batch_size x gradient_accumulation_steps x processes."})
+    fill_last_micro_batch: str = field(
+        default="pad", metadata={"help": "all_steps: 'pad' leaves each process's last micro-batch short (every step "
+                                         "trained exactly once); 'duplicate' fills it with copies of random steps of "
+                                         "the iteration, as released (adjust_batch, mode 'copy')."})
+    shuffle_steps: bool = field(
+        default=False, metadata={"help": "all_steps: train an iteration's steps in a random order instead of "
+                                         "rollout order (released: rollout order)."})
+    eval_every_iterations: int | None = field(
+        default=None, metadata={"help": "Evaluate after every this many iterations (needs eval_dataset); replaces "
+                                        "eval_strategy / eval_steps, which count optimizer steps."})
+    save_every_iterations: int | None = field(
+        default=None, metadata={"help": "Save a checkpoint after every this many iterations (and at the end); "
+                                        "replaces save_strategy / save_steps, which count optimizer steps."})
 
     # Prompting and actions
     history_length: int = field(
@@ -93,9 +124,18 @@ class HGPOConfig(GRPOConfig):
     alpha: float = field(default=1.0, metadata={"help": "HGPO level weights (k+2)^alpha."})
     weighting: str = field(default="power", metadata={"help": "HGPO weighting: 'power' or 'inverse_mse'."})
     base_group: bool = field(default=False, metadata={"help": "HGPO: add the episode (GRPO) advantage as an item."})
+    drop_zero_items: bool = field(
+        default=False, metadata={"help": "HGPO: drop every item equal to 0 (all-equal groups, members at their "
+                                         "group's mean), as released; default: keep them."})
     omega: float = field(default=1.0, metadata={"help": "GiGPO weight of the step (anchor-state) term."})
     episode_stats: str = field(
-        default="trajectories", metadata={"help": "GRPO/GiGPO episode scores: 'trajectories' or 'steps'."})
+        default="trajectories", metadata={"help": "Episode term of GRPO/GiGPO and HGPO's base item: one score per "
+                                                  "'trajectories', or per step row over all rows of the task group "
+                                                  "('steps', as released)."})
+    std_ddof: int = field(
+        default=0, metadata={"help": "ddof of mean_std_norm's std in the terms the release computes with torch.std "
+                                     "(GRPO's, both GiGPO terms, HGPO's base item): 0 (population) or 1 (released). "
+                                     "HGPO's levels always use 0, as released."})
     advantage_norm: str = field(
         default="mean_std_norm", metadata={"help": "Within-group normalisation: 'mean_std_norm' or 'mean_norm'."})
     progpo_lambda: float = field(default=1.0, metadata={"help": "ProGPO weight of the transition credit."})
@@ -129,6 +169,12 @@ class HGPOConfig(GRPOConfig):
         self._check_fields()
         if self.bf16 is None and not self.fp16:
             self.bf16 = cpu_precision_default(self.use_cpu)
+        self._set_iteration_cadence()
+        processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked against TRL's below
+        if self.step_batching == "all_steps":
+            self._set_all_steps_accumulation(processes)
+        elif self.mini_batch_size is not None:
+            raise ValueError("HGPOConfig.mini_batch_size is read only under step_batching='all_steps'")
         try:
             super().__post_init__()
         except ValueError as err:
@@ -139,13 +185,69 @@ class HGPOConfig(GRPOConfig):
                 f"{err} (TRL's check: per_device_train_batch_size x processes x steps_per_generation step samples "
                 f"per iteration must be a multiple of num_generations ({self.num_generations}); set "
                 "per_device_train_batch_size or steps_per_generation accordingly)") from None
-        if self.train_iterations is not None:
+        if self.step_batching == "all_steps":
+            if self.world_size != processes:
+                raise ValueError(f"HGPOConfig: WORLD_SIZE says {processes} processes but the Trainer sees "
+                                 f"{self.world_size}; launch with accelerate launch or torchrun")
+            # An upper bound (the busiest process plays every episode to max_env_steps); the iterations stop the run.
+            micro_batches = math.ceil(self.tasks_per_device * self.num_generations * self.max_env_steps
+                                      / self.per_device_train_batch_size)
+            windows = math.ceil(micro_batches / self.gradient_accumulation_steps)
+            self.max_steps = self.train_iterations * self.num_iterations * windows
+        elif self.train_iterations is not None:
             per_iteration = self.steps_per_generation * self.num_iterations
             if per_iteration % self.gradient_accumulation_steps:
                 raise ValueError(
                     f"train_iterations needs steps_per_generation x num_iterations ({per_iteration}) to be a "
                     f"multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps})")
             self.max_steps = self.train_iterations * per_iteration // self.gradient_accumulation_steps
+
+    def _set_iteration_cadence(self) -> None:
+        """eval_every_iterations / save_every_iterations replace the optimizer-step strategies, which cannot say
+        where an all_steps iteration ends: the Trainer's own default (save every 500 steps) is switched off, and
+        a strategy the user set beside them, or under all_steps, is an error naming both."""
+        defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+        for kind, every in (("save", self.save_every_iterations), ("eval", self.eval_every_iterations)):
+            strategy = str(getattr(getattr(self, f"{kind}_strategy"), "value", getattr(self, f"{kind}_strategy")))
+            untouched = (strategy == defaults[f"{kind}_strategy"] and
+                         getattr(self, f"{kind}_steps") == defaults[f"{kind}_steps"])
+            if strategy == "no":
+                continue
+            if untouched and (every is not None or self.step_batching == "all_steps"):
+                setattr(self, f"{kind}_strategy", "no")
+            elif every is not None:
+                raise ValueError(f"HGPOConfig: set {kind}_every_iterations or {kind}_strategy ({strategy!r}), "
+                                 "not both")
+            elif self.step_batching == "all_steps":
+                raise ValueError(f"HGPOConfig.{kind}_strategy={strategy!r} counts optimizer steps, whose number per "
+                                 f"iteration varies under step_batching='all_steps': use {kind}_every_iterations")
+        if self.load_best_model_at_end and self.save_every_iterations is not None and (
+                self.eval_every_iterations is None or self.save_every_iterations % self.eval_every_iterations):
+            raise ValueError("HGPOConfig.load_best_model_at_end needs save_every_iterations to be a multiple of "
+                             "eval_every_iterations (a checkpoint is kept as the best when it was just evaluated)")
+
+    def _set_all_steps_accumulation(self, processes: int) -> None:
+        """all_steps: gradient_accumulation_steps = micro-batches per optimizer step and process, from the global
+        mini_batch_size (before TRL and DeepSpeed read it). The rollouts are played outside TRL's generation
+        buffer, whose size (steps_per_generation) TRL still checks against num_generations: it gets one that
+        passes, and nothing else reads it."""
+        if self.train_iterations is None:
+            raise ValueError("HGPOConfig.step_batching='all_steps' needs train_iterations: the number of optimizer "
+                             "steps per iteration varies, so max_steps cannot say when to stop")
+        if self.mini_batch_size is not None:
+            per_process, remainder = divmod(self.mini_batch_size, processes * self.per_device_train_batch_size)
+            if remainder or per_process == 0:
+                raise ValueError(f"HGPOConfig.mini_batch_size ({self.mini_batch_size}) must be a multiple of "
+                                 f"per_device_train_batch_size ({self.per_device_train_batch_size}) x processes "
+                                 f"({processes})")
+            if self.gradient_accumulation_steps not in (1, per_process):
+                raise ValueError(f"HGPOConfig.gradient_accumulation_steps ({self.gradient_accumulation_steps}) "
+                                 f"disagrees with mini_batch_size ({self.mini_batch_size}) = per_device_train_batch_"
+                                 f"size ({self.per_device_train_batch_size}) x processes ({processes}) x "
+                                 f"{per_process}: set one of them")
+            self.gradient_accumulation_steps = per_process
+        if self.steps_per_generation is None and self.generation_batch_size is None:
+            self.steps_per_generation = self.gradient_accumulation_steps * self.num_generations
 
     def _check_fields(self) -> None:
         checks = [
@@ -161,6 +263,7 @@ class HGPOConfig(GRPOConfig):
             ("alpha", self.alpha >= 0.0, ">= 0"),
             ("weighting", self.weighting in WEIGHTINGS, f"one of {WEIGHTINGS}"),
             ("episode_stats", self.episode_stats in EPISODE_STATS, f"one of {EPISODE_STATS}"),
+            ("std_ddof", not isinstance(self.std_ddof, bool) and self.std_ddof in DDOFS, f"one of {DDOFS}"),
             ("advantage_norm", self.advantage_norm in NORMS, f"one of {NORMS}"),
             ("eval_temperature", self.eval_temperature >= 0.0, ">= 0"),
             # TRL divides the logits by it, and at 0 the G rollouts of a task would all be the same.
@@ -181,6 +284,13 @@ class HGPOConfig(GRPOConfig):
              "None or an integer >= 1"),
             ("num_generations", self.num_generations is not None and self.num_generations >= 2,
              "an integer >= 2 (rollouts per task)"),
+            ("step_batching", self.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
+            ("fill_last_micro_batch", self.fill_last_micro_batch in FILLS, f"one of {FILLS}"),
+            ("mini_batch_size", self.mini_batch_size is None or self.mini_batch_size >= 1, "None or an integer >= 1"),
+            ("eval_every_iterations", self.eval_every_iterations is None or self.eval_every_iterations >= 1,
+             "None or an integer >= 1"),
+            ("save_every_iterations", self.save_every_iterations is None or self.save_every_iterations >= 1,
+             "None or an integer >= 1"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -221,16 +331,19 @@ class HGPOConfig(GRPOConfig):
 
     def diagnostic_estimators(self) -> dict[str, dict[str, Any]]:
         """What `diagnostics_every` compares with the oracle: GRPO, GiGPO and HGPO at this config's depth."""
-        return {"grpo": {"estimator": "grpo", "episode_stats": self.episode_stats},
-                "gigpo": {"estimator": "gigpo", "omega": self.omega, "episode_stats": self.episode_stats},
+        episode = {"episode_stats": self.episode_stats, "std_ddof": self.std_ddof}
+        return {"grpo": {"estimator": "grpo", **episode},
+                "gigpo": {"estimator": "gigpo", "omega": self.omega, **episode},
                 "hgpo": {"estimator": "hgpo", "history_length": self.depth, "alpha": self.alpha,
-                         "weighting": self.weighting, "base_group": self.base_group}}
+                         "weighting": self.weighting, "base_group": self.base_group,
+                         "drop_zero_items": self.drop_zero_items, **episode}}
 
     def estimator_options(self) -> dict[str, Any]:
         """The keyword options of `estimator`, from this config's fields."""
         candidates = {
             "gamma": self.gamma, "history_length": self.depth, "alpha": self.alpha, "norm": self.advantage_norm,
-            "weighting": self.weighting, "base_group": self.base_group, "omega": self.omega,
-            "episode_stats": self.episode_stats, "invalid_penalty": self.invalid_penalty, "lam": self.progpo_lambda,
+            "weighting": self.weighting, "base_group": self.base_group, "drop_zero_items": self.drop_zero_items,
+            "omega": self.omega, "episode_stats": self.episode_stats, "std_ddof": self.std_ddof,
+            "invalid_penalty": self.invalid_penalty, "lam": self.progpo_lambda,
         }
         return {k: v for k, v in candidates.items() if k in estimator_options(self.estimator)}

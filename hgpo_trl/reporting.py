@@ -17,7 +17,7 @@ class IterationLine(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         if "env/success_rate" in logs:
-            tqdm.write(f"[iter {state.global_step:>4}] success {logs['env/success_rate']:.2f}  "
+            tqdm.write(f"[iter {logs.get('iteration', state.global_step):>4}] success {logs['env/success_rate']:.2f}  "
                        f"reward {logs['env/episode_reward']:6.2f}  invalid {logs['env/invalid_rate']:.2f}  "
                        f"length {logs['env/episode_length']:4.1f}  | gen {logs['time/generation']:.1f}s  "
                        f"env {logs['time/env']:.1f}s  adv {1e3 * logs['time/advantages']:.1f}ms  "
@@ -50,6 +50,18 @@ def write_summary(output_dir: str | Path, summary: dict[str, Any]) -> Path:
     return path
 
 
+def iteration_axis(log_history: list[dict[str, Any]]) -> list[float]:
+    """Per record, the iteration it belongs to: training logs carry it, an evaluation takes the last training
+    log's (0 before training). Histories written before logs carried it fall back to the optimizer step."""
+    if not any("iteration" in h for h in log_history):
+        return [h.get("step", 0) for h in log_history]
+    axis, current = [], 0
+    for h in log_history:
+        current = h.get("iteration", current)
+        axis.append(current)
+    return axis
+
+
 def plot_learning(log_history: list[dict[str, Any]], path: str | Path) -> Path:
     """Success rate and episode reward per iteration (training rollouts), with the evaluations."""
     import matplotlib
@@ -57,18 +69,19 @@ def plot_learning(log_history: list[dict[str, Any]], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [h for h in log_history if "env/success_rate" in h]
-    evals = [h for h in log_history if "eval_success_rate" in h]
+    at = list(zip(iteration_axis(log_history), log_history, strict=True))
+    train = [(x, h) for x, h in at if "env/success_rate" in h]
+    evals = [(x, h) for x, h in at if "eval_success_rate" in h]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    top.plot([h["step"] for h in train], [h["env/success_rate"] for h in train], label="training rollouts")
-    top.plot([h["step"] for h in evals], [h["eval_success_rate"] for h in evals], "o-", label="validation")
+    for axis, key, eval_key in ((top, "env/success_rate", "eval_success_rate"),
+                                (bottom, "env/episode_reward", "eval_episode_reward")):
+        axis.plot([x for x, _ in train], [h[key] for _, h in train], label="training rollouts")
+        axis.plot([x for x, _ in evals], [h[eval_key] for _, h in evals], "o-", label="validation")
     top.set_ylabel("success rate")
     top.set_ylim(-0.02, 1.02)
     top.legend(loc="lower right")
-    bottom.plot([h["step"] for h in train], [h["env/episode_reward"] for h in train], label="training rollouts")
-    bottom.plot([h["step"] for h in evals], [h["eval_episode_reward"] for h in evals], "o-", label="validation")
     bottom.set_ylabel("episode reward")
-    bottom.set_xlabel("optimizer step")
+    bottom.set_xlabel("iteration")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -84,13 +97,14 @@ def plot_levels(log_history: list[dict[str, Any]], group_sizes: list[list[int]],
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    train = [h for h in log_history if "hgpo/level0_with_peers" in h]
+    train = [(x, h) for x, h in zip(iteration_axis(log_history), log_history, strict=True)
+             if "hgpo/level0_with_peers" in h]
     levels = sorted(int(k.removeprefix("hgpo/level").removesuffix("_with_peers"))
-                    for k in (train[0] if train else {}) if k.startswith("hgpo/level"))
+                    for k in (train[0][1] if train else {}) if k.startswith("hgpo/level"))
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for k in levels:
-        left.plot([h["step"] for h in train], [h[f"hgpo/level{k}_with_peers"] for h in train], label=f"level {k}")
-    left.set_xlabel("optimizer step")
+        left.plot([x for x, _ in train], [h[f"hgpo/level{k}_with_peers"] for _, h in train], label=f"level {k}")
+    left.set_xlabel("iteration")
     left.set_ylabel("share of steps with a peer")
     left.set_ylim(-0.02, 1.02)
     left.legend()

@@ -32,6 +32,7 @@ class TaskSampler(Sampler[int]):
         self.tasks_per_iteration = tasks_per_iteration
         self.repeat = repeat
         self.shuffle = shuffle
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
 
     @property
@@ -39,14 +40,29 @@ class TaskSampler(Sampler[int]):
         return math.ceil(self.num_tasks / self.tasks_per_iteration)
 
     def __iter__(self) -> Iterator[int]:
-        needed = self.iterations_per_pass * self.tasks_per_iteration
-        order = (torch.randperm(self.num_tasks, generator=self.generator) if self.shuffle
-                 else torch.arange(self.num_tasks)).tolist()
-        order = (order * math.ceil(needed / self.num_tasks))[:needed]
-        for start in range(0, needed, self.tasks_per_iteration):
+        order = self._pass_order(torch.randperm(self.num_tasks, generator=self.generator) if self.shuffle
+                                 else torch.arange(self.num_tasks))
+        for start in range(0, len(order), self.tasks_per_iteration):
             chunk = order[start:start + self.tasks_per_iteration]
             for _ in range(self.repeat):
                 yield from chunk
+
+    def _pass_order(self, permutation: torch.Tensor) -> list[int]:
+        needed = self.iterations_per_pass * self.tasks_per_iteration
+        return (permutation.tolist() * math.ceil(needed / self.num_tasks))[:needed]
+
+    def iteration_tasks(self, iteration: int, rank: int, num_processes: int) -> list[int]:
+        """The task indices process `rank` plays in (0-based) `iteration`: what the dataloader serves it, as a
+        function of the iteration alone (step_batching='all_steps', where the dataloader only counts micro-steps,
+        and resumed runs). Pass p's order is the p-th permutation of the seeded generator, as in `__iter__`."""
+        passes, chunk = divmod(iteration, self.iterations_per_pass)
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(passes + 1):
+            permutation = (torch.randperm(self.num_tasks, generator=generator) if self.shuffle
+                           else torch.arange(self.num_tasks))
+        per_process = self.tasks_per_iteration // num_processes
+        start = chunk * self.tasks_per_iteration + rank * per_process
+        return self._pass_order(permutation)[start:start + per_process]
 
     def __len__(self) -> int:
         return self.iterations_per_pass * self.tasks_per_iteration * self.repeat

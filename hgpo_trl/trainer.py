@@ -2,8 +2,11 @@
 
 One iteration: each process plays its `tasks_per_device` tasks `num_generations` times (`hgpo_trl.rollout`),
 every step becomes one (prompt, completion) sample with its own advantage (`hgpo_trl.advantages`), and the
-parent's machinery (buffering, clipped loss, KL, optimizer, logging) trains on them. Only what per-step
-samples require is overridden: the task dataloader, `_generate_and_score_completions`, `evaluate`.
+parent's machinery (clipped loss, KL, optimizer, logging) trains on them, in one of two ways
+(`HGPOConfig.step_batching`, `hgpo_trl.step_batches`): a fixed budget of samples through TRL's own buffer, or
+every step once in as many optimizer steps as the steps fill (as released). Only what per-step samples require
+is overridden: the task dataloader, the batch (`_generate_and_score_completions`, `_prepare_inputs`), the
+schedule, checkpoints and `evaluate`.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import copy
 import dataclasses
 import math
 import os
-import shutil
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -29,23 +32,30 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.integrations import TensorBoardCallback
 from transformers.integrations.integration_utils import default_logdir
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_callback import ProgressCallback
 from trl import GRPOTrainer
-from trl.models.utils import unwrap_model_for_generation
+from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from hgpo_trl.advantages import compute_advantages, hgpo_level_stats
+from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
+from hgpo_trl.checkpoints import read_trainer_state, save_staged, write_trainer_state
 from hgpo_trl.config import HGPOConfig
-from hgpo_trl.diagnostics import Bias, advantage_bias
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import EnvBatch, default_num_workers, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.generation import encode_prompt, generate_completions
-from hgpo_trl.rollout import Completion, Rollout, run_rollout
+from hgpo_trl.iterations import IterationCadence, IterationProgress, iteration_schedule
+from hgpo_trl.metrics import SampleCounts, gathered_means, iteration_metrics
+from hgpo_trl.rollout import Completion, Rollout, StepRecord, run_rollout
 from hgpo_trl.sampler import TaskSampler
+from hgpo_trl.step_batches import (
+    importance_sampling_ratio,
+    plan_micro_batches,
+    sample_tensors,
+    select_budget,
+    windows_for,
+)
 from hgpo_trl.trajectories import rollout_records, write_records
-
-STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into output_dir
 
 # The keys of the generation dict that GRPOTrainer's loss reads (tests/test_trainer_contract.py pins them).
 LOSS_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
@@ -129,11 +139,25 @@ class HGPOTrainer(GRPOTrainer):
         self._sample_rng = np.random.default_rng(args.seed + self.accelerator.process_index)
         self._training_seconds = 0.0
         self._batch_seconds = 0.0
-        self._iteration = 0
+        self._iteration = 0  # rollouts started (the 1-based number of the current iteration)
         self._faulty_streak = 0
+        self._micro_batches: deque[dict[str, Any]] = deque()  # all_steps: the current iteration's, in order
+        self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
+        self.add_callback(IterationCadence(self))
+        if args.train_iterations is not None and not args.disable_tqdm:
+            self.callback_handler.remove_callback(ProgressCallback)
+            self.add_callback(IterationProgress(self))
 
     # ------------------------------------------------------------------ tasks
     def get_train_dataloader(self):
+        if self.args.step_batching == "all_steps":
+            # The batches come from the rollouts (_prepare_inputs): the dataloader only counts the micro-steps,
+            # max_steps windows of gradient_accumulation_steps on every process.
+            ticks = Dataset.from_dict({"tick": list(range(self.args.max_steps * self.args.gradient_accumulation_steps
+                                                         * self.accelerator.num_processes))})
+            return self._get_dataloader(dataset=ticks, description="Training", batch_size=1,
+                                        sampler_fn=lambda dataset: torch.utils.data.SequentialSampler(dataset),
+                                        is_training=True)
         return self._get_dataloader(dataset=self.train_dataset, description="Training",
                                     batch_size=self.args.tasks_per_device, sampler_fn=self._get_train_sampler,
                                     is_training=True)
@@ -258,7 +282,47 @@ class HGPOTrainer(GRPOTrainer):
             return run_rollout(envs, tasks, group_size, policy, self.rollout_settings,
                                keep_going=self._any_live, on_turn=on_turn, count_tokens=count_tokens)
 
-    # ------------------------------------------------------------------ training batch
+    # ------------------------------------------------------------------ iterations
+    @property
+    def at_iteration_boundary(self) -> bool:
+        """Whether the last optimizer step ended an iteration (checkpoints and evaluations go there only)."""
+        if self.args.step_batching == "all_steps":
+            return not self._micro_batches
+        return self._step % (self.args.steps_per_generation * self.num_iterations) == 0
+
+    @property
+    def completed_iterations(self) -> int:
+        return self._iteration - (0 if self.at_iteration_boundary else 1)
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """Under all_steps the schedule runs over `train_iterations` and is read at the completed iterations:
+        max_steps is only a bound, and the optimizer steps of one iteration share its learning rate."""
+        if self.args.step_batching != "all_steps" or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        schedule = super().create_scheduler(self.args.train_iterations, optimizer)
+        self.lr_scheduler = iteration_schedule(schedule, lambda: self.completed_iterations)
+        return self.lr_scheduler
+
+    def _play_iteration(self, tasks: list[Mapping[str, Any]]) -> tuple[Rollout, StepBatch, np.ndarray, float]:
+        """One training rollout of `tasks` and its advantages (on all steps): (rollout, batch, advantages,
+        seconds spent on the advantages). Stops every process when the environments keep failing or an
+        advantage is not finite."""
+        rollout = self._play(tasks, self.num_generations, self.temperature)
+        self._check_faults(rollout)
+        batch = rollout.step_batch()
+        tick = time.perf_counter()
+        advantages = compute_advantages(self.args.estimator, batch, **self.args.estimator_options())
+        advantage_seconds = time.perf_counter() - tick
+        bad = torch.tensor(float(not np.all(np.isfinite(advantages))), device=self.accelerator.device)
+        if self.accelerator.reduce(bad, reduction="max").item() > 0:  # decided together: no process waits alone
+            raise FloatingPointError(f"non-finite advantages at iteration {self._iteration + 1} (estimator "
+                                     f"{self.args.estimator!r}); the parameters were not updated")
+        every = self.args.trajectory_dump_every
+        if every and self._iteration % every == 0:
+            self._dump(f"iter_{self._iteration + 1:06d}", self._records(rollout, tasks, advantages))
+        return rollout, batch, advantages, advantage_seconds
+
+    # ------------------------------------------------------------------ fixed_budget: through TRL's buffer
     def training_step(self, model, inputs, num_items_in_batch):
         tick = time.perf_counter()
         self._batch_seconds = 0.0
@@ -278,33 +342,117 @@ class HGPOTrainer(GRPOTrainer):
     def _sample_budget(self) -> int:
         return self.args.per_device_train_batch_size * self.args.steps_per_generation
 
-    def _select(self, num_steps: int) -> np.ndarray:
-        """Indices of the steps that become samples: M of them, drawn uniformly when there are more."""
-        budget = self._sample_budget()
-        if num_steps <= budget:
-            return np.arange(num_steps)
-        return np.sort(self._sample_rng.choice(num_steps, size=budget, replace=False))
-
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         start = time.perf_counter()
         mode = "train" if self.model.training else "eval"
-        rollout = self._play(list(inputs), self.num_generations, self.temperature)
-        self._check_faults(rollout)
-        batch = rollout.step_batch()
-        tick = time.perf_counter()
-        advantages = compute_advantages(self.args.estimator, batch, **self.args.estimator_options())
-        if not np.all(np.isfinite(advantages)):
-            raise FloatingPointError(f"non-finite advantages at iteration {self._iteration + 1}")
-        advantage_seconds = time.perf_counter() - tick
-        selected = self._select(len(rollout.steps))
-        every = self.args.trajectory_dump_every
-        if every and mode == "train" and self._iteration % every == 0:
-            self._dump(f"iter_{self._iteration + 1:06d}", self._records(rollout, list(inputs), advantages))
-        output = self._training_inputs(rollout, advantages, selected)
-        self._log_iteration(mode, rollout, batch, advantages, selected, advantage_seconds)
+        rollout, batch, advantages, advantage_seconds = self._play_iteration(list(inputs))
+        selected = select_budget(len(rollout.steps), self._sample_budget(), self._sample_rng)
+        padding = self._sample_budget() - len(selected)
+        # Padding rows are masked out of the loss (completion_mask 0, advantage 0): every process keeps the same
+        # number of samples, so forward passes stay in step (ZeRO-3) and TRL's batch split drops nothing.
+        output = self._samples([rollout.steps[i] for i in selected], advantages[selected], padding)
+        output["num_items_in_batch"] = self.accelerator.gather(output["completion_mask"].sum()).sum()
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            aligned = self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations) == 0
+            output.update(self._logprob_inputs(output, [rollout.steps[i] for i in selected], old=not aligned))
+        samples = SampleCounts(kept=len(selected), padded_fraction=padding / self._sample_budget(),
+                               optimizer_steps=self.args.steps_per_generation * self.num_iterations
+                               // self.args.gradient_accumulation_steps)
+        self._log_iteration(mode, rollout, batch, advantages, samples, advantage_seconds)
+        self._log_samples([rollout.steps[i] for i in selected], advantages[selected])
         self._iteration += 1
         self._batch_seconds = time.perf_counter() - start
         return output
+
+    # ------------------------------------------------------------------ all_steps: every step, as released
+    def _prepare_inputs(self, inputs):
+        """all_steps: the next micro-batch of the current iteration, playing the next one when it is used up
+        (the parent's buffer would regenerate every steps_per_generation x num_iterations micro-steps)."""
+        if self.args.step_batching != "all_steps" or not self.model.training:
+            return super()._prepare_inputs(inputs)
+        if not self._micro_batches:
+            start = time.perf_counter()
+            self._micro_batches.extend(self._all_steps_iteration())
+            self._batch_seconds = time.perf_counter() - start
+        return self._micro_batches.popleft()
+
+    def _all_steps_iteration(self) -> list[dict[str, Any]]:
+        """The micro-batches of the next iteration that collects a step on some process: every step once, the
+        last micro-batch short or filled with copies (`fill_last_micro_batch`), then micro-batches of padding
+        alone so that every process runs the busiest one's count of windows, repeated
+        `num_iterations` times. Log-probabilities are taken here, before the first update."""
+        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
+        micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
+        windows = 0
+        while not windows:  # no optimizer step on nothing: an iteration whose episodes all failed trains none
+            if self._iteration >= self.args.train_iterations:
+                raise RuntimeError(f"no environment step was collected in the last iterations (up to "
+                                   f"{self._iteration}); check the environment (env/faults)")
+            tasks = [self.train_dataset[i] for i in self._task_sampler.iteration_tasks(self._iteration, rank, processes)]
+            rollout, batch, advantages, advantage_seconds = self._play_iteration(tasks)
+            plan = plan_micro_batches(len(rollout.steps), micro, self.args.fill_last_micro_batch,
+                                      self.args.shuffle_steps, self._sample_rng)
+            busiest = self.accelerator.reduce(torch.tensor(len(plan), device=self.accelerator.device), reduction="max")
+            windows = windows_for(int(busiest.item()), accumulation)
+            rows = sum(len(rows) for rows in plan)
+            samples = SampleCounts(kept=len(rollout.steps), duplicated=rows - len(rollout.steps),
+                                   padded_fraction=1.0 - rows / max(windows * accumulation * micro, 1),
+                                   optimizer_steps=windows * self.num_iterations)
+            self._log_iteration("train", rollout, batch, advantages, samples, advantage_seconds)
+            self._iteration += 1
+        plan += [np.zeros(0, dtype=np.int64)] * (windows * accumulation - len(plan))
+        steps = [[rollout.steps[i] for i in rows] for rows in plan]
+        self._log_samples([s for chunk in steps for s in chunk], np.concatenate([advantages[rows] for rows in plan]))
+        # Every micro-batch holds `micro` rows on every process (TRL gathers per-row loss metrics): a short one is
+        # filled with masked rows, and one of padding alone is 2 tokens wide.
+        micro_batches = [self._samples(chunk, advantages[rows], padding=micro - len(rows))
+                         for chunk, rows in zip(steps, plan, strict=True)]
+        # dapo divides by num_items_in_batch / processes x accumulation / steps_per_generation: make that the
+        # mini-batch's mean token count per process, so the summed micro-batch losses are its token mean.
+        tokens = torch.stack([sum(m["completion_mask"].sum() for m in micro_batches[w * accumulation:(w + 1) * accumulation])
+                              for w in range(windows)]).float()
+        tokens = self.accelerator.reduce(tokens, reduction="sum") * self.args.steps_per_generation / accumulation
+        old = windows * self.num_iterations > 1 or (self.use_vllm and self.vllm_importance_sampling_correction)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for k, (micro_batch, chunk) in enumerate(zip(micro_batches, steps, strict=True)):
+                micro_batch["num_items_in_batch"] = tokens[k // accumulation]
+                micro_batch.update(self._logprob_inputs(micro_batch, chunk, old=old))
+        return micro_batches * self.num_iterations
+
+    # ------------------------------------------------------------------ samples
+    def _samples(self, steps: list[StepRecord], advantages: np.ndarray, padding: int) -> dict[str, torch.Tensor]:
+        return sample_tensors(steps, advantages, padding, self._tokenizer.pad_token_id, self.eos_token_ids[0],
+                              self.accelerator.device, self.mask_truncated_completions, self.eos_token_ids)
+
+    def _logprob_inputs(self, samples: dict[str, torch.Tensor], steps: list[StepRecord], old: bool) -> dict:
+        """old / reference / sampling log-probabilities of `samples` (whose real rows are `steps`), computed
+        when the loss needs them, as the parent does. Runs under no_grad with gradient checkpointing off."""
+        out: dict[str, torch.Tensor] = {}
+        input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)
+        attention_mask = torch.cat([samples["prompt_mask"], samples["completion_mask"]], dim=1)
+        width = samples["completion_ids"].size(1)
+        batch_size = self.args.per_device_train_batch_size
+        is_correction = self.use_vllm and self.vllm_importance_sampling_correction
+        if old or is_correction:
+            out["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, width, batch_size=batch_size)
+        if self.beta != 0.0:
+            if self.ref_model is not None:
+                out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.ref_model, input_ids, attention_mask, width, batch_size=batch_size)
+            else:  # PEFT: the model with its adapter disabled is the reference
+                with self.accelerator.unwrap_model(self.model).disable_adapter():
+                    out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                        self.model, input_ids, attention_mask, width, batch_size=batch_size)
+        if is_correction:
+            sampled = [torch.tensor([float("nan") if x is None else x for x in s.completion.logprobs]) for s in steps]
+            sampled += [torch.zeros(1)] * (input_ids.size(0) - len(steps))
+            sampling = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
+            out["sampling_per_token_logps"] = sampling
+            out["importance_sampling_ratio"] = importance_sampling_ratio(
+                out["old_per_token_logps"], sampling, samples["completion_mask"], self.vllm_importance_sampling_mode,
+                self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+        return out
 
     def _records(self, rollout: Rollout, tasks: list, advantages: np.ndarray | None) -> list[dict]:
         return rollout_records(rollout, tasks, advantages, gamma=self.args.gamma,
@@ -332,150 +480,52 @@ class HGPOTrainer(GRPOTrainer):
                 "fix the environment (or raise env_step_timeout / max_faulty_iterations) and resume with "
                 "--resume_from_checkpoint")
 
-    def _training_inputs(self, rollout: Rollout, advantages: np.ndarray, selected: np.ndarray) -> dict[str, Any]:
-        device = self.accelerator.device
-        padding = self._sample_budget() - len(selected)
-        steps = [rollout.steps[i] for i in selected]
-        # Padding rows are masked out of the loss (completion_mask 0, advantage 0): every process keeps the same
-        # number of samples, so forward passes stay in step (ZeRO-3) and TRL's batch split drops nothing.
-        prompts = [torch.tensor(s.completion.prompt_ids) for s in steps] + [torch.tensor([self._tokenizer.pad_token_id])] * padding
-        completions = [torch.tensor(s.completion.completion_ids) for s in steps] + [torch.tensor([self.eos_token_ids[0]])] * padding
-        real = [1] * len(steps) + [0] * padding
-        prompt_ids = pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
-        prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
-        completion_ids = pad(completions, padding_value=self._tokenizer.pad_token_id, padding_side="right").to(device)
-        completion_mask = pad([torch.full_like(c, r) for c, r in zip(completions, real, strict=True)],
-                              padding_value=0, padding_side="right").to(device)
-        if self.mask_truncated_completions:
-            truncated = torch.tensor([c[-1].item() not in self.eos_token_ids for c in completions], device=device)
-            completion_mask = completion_mask * (~truncated).unsqueeze(1).int()
-        advantage = torch.tensor(np.r_[advantages[selected], np.zeros(padding)], dtype=torch.float32, device=device)
-        output = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-                  "completion_mask": completion_mask, "advantages": advantage,
-                  "num_items_in_batch": self.accelerator.gather(completion_mask.sum()).sum()}
-        output.update(self._logprob_inputs(steps, padding, prompt_ids, prompt_mask, completion_ids, completion_mask))
-        return output
-
-    def _logprob_inputs(self, steps, padding, prompt_ids, prompt_mask, completion_ids, completion_mask) -> dict:
-        """old / reference / sampling log-probabilities, computed when the loss needs them (as the parent does)."""
-        out: dict[str, torch.Tensor] = {}
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-        width = completion_ids.size(1)
-        batch_size = self.args.per_device_train_batch_size
-        is_correction = self.use_vllm and self.vllm_importance_sampling_correction
-        with torch.no_grad():
-            if self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations) or is_correction:
-                out["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, width, batch_size=batch_size)
-            if self.beta != 0.0:
-                if self.ref_model is not None:
-                    out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                        self.ref_model, input_ids, attention_mask, width, batch_size=batch_size)
-                else:  # PEFT: the model with its adapter disabled is the reference
-                    with self.accelerator.unwrap_model(self.model).disable_adapter():
-                        out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                            self.model, input_ids, attention_mask, width, batch_size=batch_size)
-        if is_correction:
-            sampled = [torch.tensor([float("nan") if x is None else x for x in s.completion.logprobs]) for s in steps]
-            sampled += [torch.zeros(1)] * padding
-            sampling = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
-            out["sampling_per_token_logps"] = sampling
-            out["importance_sampling_ratio"] = self._importance_ratio(out["old_per_token_logps"], sampling,
-                                                                      completion_mask)
-        return out
-
-    def _importance_ratio(self, old, sampling, mask) -> torch.Tensor:
-        """vLLM/trainer mismatch correction, with the parent's modes (token/sequence x truncate/mask)."""
-        diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
-        mode = self.vllm_importance_sampling_mode
-        if mode.startswith("sequence"):
-            diff = diff.sum(dim=-1, keepdim=True)
-        ratio = torch.exp(diff)
-        low = self.vllm_importance_sampling_clip_min
-        high = self.vllm_importance_sampling_clip_max
-        if mode.endswith("truncate"):
-            return torch.clamp(ratio, min=low, max=high)
-        outside = (ratio < (-float("inf") if low is None else low)) | (ratio > (float("inf") if high is None else high))
-        return ratio.masked_fill(outside, 0.0)
-
     # ------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial) -> None:
-        """The parent's checkpoint, written under `output_dir/.staging` and renamed into place once complete: a
-        run killed mid-save leaves the previous checkpoint as the latest, never a half-written one."""
-        run_dir = self._get_output_dir(trial=trial)
-        staging = os.path.join(run_dir, STAGING_DIR)
-        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.args.should_save:
-            shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
-        self.accelerator.wait_for_everyone()
-        self._get_output_dir = lambda trial=None: staging  # the parent writes and rotates there
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            del self._get_output_dir
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            final = os.path.join(run_dir, name)
-            shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (a resumed run)
-            os.replace(os.path.join(staging, name), final)
-            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
-        self.accelerator.wait_for_everyone()
+        """The parent's checkpoint plus the iterations played, written in a staging folder and renamed into
+        place (`hgpo_trl.checkpoints`)."""
+        parent = super()._save_checkpoint
+
+        def write(folder: str) -> None:
+            parent(model, trial)
+            if self.args.should_save:
+                write_trainer_state(folder, {"iterations": self.completed_iterations})
+
+        save_staged(self, trial, write)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:  # a resumed run continues the iteration count (the stop, tasks, schedule)
+            self._iteration = read_trainer_state(checkpoint).get("iterations", self._iteration)
 
     # ------------------------------------------------------------------ logging
-    def _log_iteration(self, mode: str, rollout: Rollout, batch, advantages: np.ndarray, selected: np.ndarray,
-                       advantage_seconds: float) -> None:
-        episodes = rollout.episodes
-        steps = rollout.steps
-        local = {
-            "env/success_rate": np.mean([e.won for e in episodes]),
-            "env/episode_reward": np.mean([e.total_reward for e in episodes]),
-            "env/episode_length": np.mean([e.steps for e in episodes]),
-            "env/invalid_rate": np.mean([not s.valid for s in steps]) if steps else 0.0,
-            "env/faults": sum(e.fault is not None for e in episodes),
-            "adv/mean": float(np.mean(advantages)) if steps else 0.0,
-            "adv/std": float(np.std(advantages)) if steps else 0.0,
-            "steps/collected": len(steps),
-            "steps/kept": len(selected),
-            "steps/kept_fraction": len(selected) / max(len(steps), 1),
-            "steps/padded_fraction": 1.0 - len(selected) / self._sample_budget(),
-            "time/generation": rollout.generation_seconds,
-            "time/env": rollout.env_seconds,
-            "time/rollout": rollout.seconds,
-            "time/advantages": advantage_seconds,
-            "time/training": self._training_seconds,
-            "throughput/env_steps_per_second": len(steps) / max(rollout.seconds, 1e-9),
-            **rollout.prompt_stats(),
-        }
-        scores = [e.score for e in episodes if e.score is not None]
-        if scores:  # environments that grade outcomes (WebShop's purchase score)
-            local["env/score"] = float(np.mean(scores))
+    def _log_iteration(self, mode: str, rollout: Rollout, batch: StepBatch, advantages: np.ndarray,
+                       samples: SampleCounts, advantage_seconds: float) -> None:
         every = self.args.diagnostics_every
-        if every and mode == "train" and self._iteration % every == 0:
-            # Every process logs the same keys (metrics are gathered), even one left with no step.
-            estimators = self.args.diagnostic_estimators()
-            report = advantage_bias(batch, estimators, gamma=self.args.gamma, norm=self.args.advantage_norm,
-                                    invalid_penalty=self.args.invalid_penalty) if steps else {}
-            for label in estimators:
-                bias = report.get(label, Bias(0.0, 0.0, 0.0, 0))
-                local[f"diag/{label}_bias"], local[f"diag/{label}_spread"] = bias.bias, bias.spread
-                local["diag/oracle_steps"] = bias.steps
-        if self.args.estimator == "hgpo" and steps:
-            self.last_level_stats = hgpo_level_stats(batch, history_length=self.args.depth)
-            for level in self.last_level_stats:
-                local[f"hgpo/level{level.level}_with_peers"] = level.with_peers / len(steps)
+        levels = None
+        if self.args.estimator == "hgpo":
+            levels = hgpo_level_stats(batch, history_length=self.args.depth)
+            self.last_level_stats = levels if rollout.steps else self.last_level_stats
+        local = iteration_metrics(rollout, batch, advantages, samples, self.args, levels,
+                                  diagnostics=bool(every) and mode == "train" and self._iteration % every == 0,
+                                  advantage_seconds=advantage_seconds, training_seconds=self._training_seconds)
         self._training_seconds = 0.0
         names = sorted(local)
-        gathered = self.accelerator.gather(torch.tensor([float(local[k]) for k in names],
-                                                        device=self.accelerator.device)[None])
-        for name, column in zip(names, gathered.reshape(-1, len(names)).T.tolist(), strict=True):
-            self._metrics[mode][name].append(float(np.mean(column)))
-        kept = [steps[i] for i in selected]
-        self._logs["prompt"].extend(gather_object([s.prompt for s in kept]))
-        self._logs["completion"].extend(gather_object([s.completion.text for s in kept]))
-        self._logs["rewards"]["env_reward"].extend(gather_object([s.reward for s in kept]))
-        self._logs["advantages"].extend(gather_object(advantages[selected].tolist()))
+        gathered = self.accelerator.gather(torch.tensor([local[k] for k in names], device=self.accelerator.device)[None])
+        for name, value in gathered_means(names, gathered.reshape(-1, len(names)).cpu().numpy()).items():
+            self._metrics[mode][name].append(value)
+
+    def _log_samples(self, steps: list[StepRecord], advantages: np.ndarray) -> None:
+        """The completions table (TRL's `log_completions`): the trained samples of the iteration."""
+        self._logs["prompt"].extend(gather_object([s.prompt for s in steps]))
+        self._logs["completion"].extend(gather_object([s.completion.text for s in steps]))
+        self._logs["rewards"]["env_reward"].extend(gather_object([s.reward for s in steps]))
+        self._logs["advantages"].extend(gather_object(advantages.tolist()))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training and "loss" in logs:  # training logs say which iteration they end in
+            logs = {**logs, "iteration": self._iteration}
+        super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -1,6 +1,7 @@
 """Two processes on the CPU through `accelerate launch`: plain DDP, DeepSpeed ZeRO-2 and ZeRO-3."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,12 +20,12 @@ LAUNCHES = {
 }
 
 
-def launch(kind: str, out: Path, port: int) -> list[dict]:
+def launch(kind: str, out: Path, port: int, *options: str) -> list[dict]:
     if kind.startswith("zero"):
         pytest.importorskip("deepspeed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "DS_ACCELERATOR": "cpu", "MASTER_PORT": str(port)}
-    command = [str(ACCELERATE), "launch", *LAUNCHES[kind], "--main_process_port", str(port), str(SCRIPT), str(out)]
+    command = [str(ACCELERATE), "launch", *LAUNCHES[kind], "--main_process_port", str(port), str(SCRIPT), str(out), *options]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -47,3 +48,23 @@ def test_two_processes_play_distinct_tasks_and_stay_in_sync(kind, port, tmp_path
     logs = [[{k: v for k, v in h.items() if k.startswith(ours)} for h in r["log_history"] if "steps/collected" in h]
             for r in ranks]
     assert len(logs[0]) == 2 and logs[0] == logs[1]
+
+
+@pytest.mark.parametrize(("kind", "port"), [("ddp", 29614), ("zero2", 29616), ("zero3", 29615)])
+def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_busiest(kind, port, tmp_path):
+    """step_batching=all_steps on 2 processes: each process's steps reach its loss exactly once per iteration;
+    both run the busiest process's count of micro-batches (ZeRO-3 gathers parameters in every forward, so an
+    unequal count would hang) and make the same optimizer steps; parameters stay identical."""
+    ranks = launch(kind, tmp_path, port, "batching=all_steps")
+    for rank in ranks:
+        seen = sorted(a for call in rank["seen"] for a in call)
+        assert seen == sorted(a for values in rank["estimated"] for a in values)
+    collected = [[len(values) for values in rank["estimated"]] for rank in ranks]
+    # Micro-batches of 2 rows, windows of 2 micro-batches (a mini-batch of 8 over the two processes).
+    windows = [math.ceil(max(math.ceil(n0 / 2), math.ceil(n1 / 2)) / 2) for n0, n1 in zip(*collected, strict=True)]
+    assert [len(rank["seen"]) for rank in ranks] == [2 * sum(windows)] * 2
+    assert any(not call for rank in ranks for call in rank["seen"])  # the less busy process ran padding alone
+    assert [rank["global_step"] for rank in ranks] == [sum(windows)] * 2
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
+    logs = [h["steps/optimizer_steps"] for h in ranks[0]["log_history"] if "steps/optimizer_steps" in h]
+    assert logs == windows

@@ -1,6 +1,8 @@
-"""Two-iteration HGPO run on the tiny model, for multi-process tests: `accelerate launch ... train_keydoor.py OUT`.
+"""Two-iteration HGPO run on the tiny model, for multi-process tests: `accelerate launch ... train_keydoor.py OUT
+[beta=0.1] [gc=1] [batching=all_steps]`.
 
-Each process writes OUT/rank{i}.json: the tasks it played, its logged metrics and a parameter checksum.
+Each process writes OUT/rank{i}.json: the tasks it played, its logged metrics and a parameter checksum; with
+batching=all_steps also the advantages its estimator gave (each step its own value) and those its loss saw.
 """
 
 import contextlib
@@ -11,24 +13,41 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np
 import torch
+from accelerate import PartialState
 
+from hgpo_trl.advantages import register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
 from hgpo_trl.trainer import HGPOTrainer
 from tests.conftest import keydoor_corpus
 
+ESTIMATED: list[list[float]] = []
+
+
+def unique_advantages(batch):
+    """Every step of every process its own advantage: a row the loss sees names its step."""
+    values = 0.001 * (np.arange(len(batch)) + 1) + PartialState().process_index + 0.5 * (np.arange(len(batch)) % 2)
+    ESTIMATED.append(np.float32(values).tolist())
+    return values
+
 
 def main(out: str, extra: list[str]) -> None:
     options = dict(arg.split("=", 1) for arg in extra)
     tokenizer = build_tiny_tokenizer(keydoor_corpus())
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
-    args = HGPOConfig(output_dir=os.path.join(out, "run"), per_device_train_batch_size=8, num_generations=4,
-                      tasks_per_device=2, max_completion_length=4, max_env_steps=5, action_mode="plain",
-                      invalid_action="end_episode", learning_rate=1e-2, train_iterations=2, logging_steps=1,
-                      report_to="none", use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True,
-                      beta=float(options.get("beta", 0.0)), gradient_checkpointing=options.get("gc") == "1")
+    batching = {}
+    if options.get("batching") == "all_steps":  # micro-batches of 2, mini-batches of 8 over both processes
+        register_estimator("unique", unique_advantages)
+        batching = dict(step_batching="all_steps", mini_batch_size=8, estimator="unique")
+    args = HGPOConfig(output_dir=os.path.join(out, "run"), per_device_train_batch_size=2 if batching else 8,
+                      num_generations=4, tasks_per_device=2, max_completion_length=4, max_env_steps=5,
+                      action_mode="plain", invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
+                      logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
+                      disable_tqdm=True, beta=float(options.get("beta", 0.0)),
+                      gradient_checkpointing=options.get("gc") == "1", **batching)
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer,
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4),
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=3))
@@ -40,6 +59,14 @@ def main(out: str, extra: list[str]) -> None:
         return original(tasks, group_size, temperature, *args)
 
     trainer._play = recording_play
+    seen = []
+    compute = trainer._compute_loss
+
+    def recording_loss(model, inputs):
+        seen.append(inputs["advantages"][inputs["completion_mask"].sum(1) > 0].tolist())
+        return compute(model, inputs)
+
+    trainer._compute_loss = recording_loss
     trainer.train()
     metrics = trainer.evaluate()
     params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
@@ -54,7 +81,7 @@ def main(out: str, extra: list[str]) -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "played": played,
                    "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum,
-                   "global_step": trainer.state.global_step}, f)
+                   "global_step": trainer.state.global_step, "estimated": ESTIMATED, "seen": seen}, f)
 
 
 if __name__ == "__main__":

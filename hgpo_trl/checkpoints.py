@@ -1,0 +1,50 @@
+"""Checkpoints that a kill cannot corrupt, holding the trainer's own state beside the Trainer's."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into output_dir
+TRAINER_STATE_FILE = "hgpo_trainer_state.json"  # the iterations played, beside trainer_state.json
+
+
+def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
+    """Run `write(folder)` (the Trainer's checkpoint, and ours) with the Trainer's output folder pointed at
+    `output_dir/.staging`, then rename the finished checkpoint into place: a run killed mid-save leaves the
+    previous checkpoint as the latest, never a half-written one."""
+    run_dir = trainer._get_output_dir(trial=trial)
+    staging = os.path.join(run_dir, STAGING_DIR)
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    if trainer.args.should_save:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left
+    trainer.accelerator.wait_for_everyone()
+    trainer._get_output_dir = lambda trial=None: staging  # the parent writes and rotates there
+    try:
+        write(os.path.join(staging, name))
+    finally:
+        del trainer._get_output_dir
+    trainer.accelerator.wait_for_everyone()
+    if trainer.args.should_save:
+        final = os.path.join(run_dir, name)
+        shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (a resumed run)
+        os.replace(os.path.join(staging, name), final)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+    trainer.accelerator.wait_for_everyone()
+
+
+def write_trainer_state(folder: str | Path, state: dict[str, Any]) -> None:
+    Path(folder, TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+
+
+def read_trainer_state(folder: str | Path) -> dict[str, Any]:
+    """The trainer's own state saved in checkpoint `folder`; {} for a checkpoint written before it was kept."""
+    path = Path(folder, TRAINER_STATE_FILE)
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,71 @@
+"""Iterations (one rollout each) as the unit of a run: its stop, learning-rate schedule, progress bar, evaluation
+and checkpoint cadence. Under `step_batching="all_steps"` an iteration makes as many optimizer steps as its steps
+fill, so optimizer-step counts (`max_steps`, `eval_steps`, `save_steps`) cannot say when an iteration ends; the
+trainer can (`HGPOTrainer.at_iteration_boundary`, `completed_iterations`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torch.optim.lr_scheduler import LambdaLR
+from tqdm.auto import tqdm
+from transformers import TrainerCallback
+from transformers.trainer_callback import ProgressCallback
+
+if TYPE_CHECKING:
+    from hgpo_trl.trainer import HGPOTrainer
+
+
+class IterationCadence(TrainerCallback):
+    """At the end of an iteration's last optimizer step: evaluate every `eval_every_iterations`, save every
+    `save_every_iterations` (checkpoints land on iteration boundaries only) and, under all_steps, stop after
+    `train_iterations` (with a final checkpoint when saving is on, as the Trainer does at max_steps)."""
+
+    def __init__(self, trainer: HGPOTrainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.trainer.at_iteration_boundary:
+            return
+        done = self.trainer.completed_iterations
+        if args.eval_every_iterations and done % args.eval_every_iterations == 0:
+            control.should_evaluate = True
+        if args.save_every_iterations and done % args.save_every_iterations == 0:
+            control.should_save = True
+        if args.step_batching == "all_steps" and done >= args.train_iterations:
+            control.should_training_stop = True
+            control.should_save = control.should_save or bool(args.save_every_iterations)
+
+
+class IterationProgress(ProgressCallback):
+    """The Trainer's progress bar counted in iterations (its own counts optimizer steps up to `max_steps`, which
+    under all_steps is only an upper bound)."""
+
+    def __init__(self, trainer: HGPOTrainer):
+        super().__init__()
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.current_step = self.trainer.completed_iterations
+        if state.is_world_process_zero:
+            self.training_bar = tqdm(total=args.train_iterations, initial=self.current_step, unit="iteration",
+                                     dynamic_ncols=True)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        done = self.trainer.completed_iterations
+        if state.is_world_process_zero and done > self.current_step:
+            self.training_bar.update(done - self.current_step)
+        self.current_step = done
+
+
+def iteration_schedule(scheduler: LambdaLR, completed_iterations: Callable[[], int]) -> LambdaLR:
+    """The Trainer's schedule (built with `train_iterations` as its length) evaluated at the completed
+    iterations rather than at the optimizer-step count, so every optimizer step of an iteration has the same
+    learning rate and warm-up / decay are counted in iterations."""
+    if not isinstance(scheduler, LambdaLR):
+        raise ValueError(f"step_batching='all_steps' schedules the learning rate by iteration and needs a schedule "
+                         f"defined by a function of the step (constant, linear, cosine, ...); "
+                         f"{type(scheduler).__name__} is not one: choose another lr_scheduler_type")
+    lambdas = [lambda _step, f=f: f(completed_iterations()) for f in scheduler.lr_lambdas]
+    return LambdaLR(scheduler.optimizer, lambdas)

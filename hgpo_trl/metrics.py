@@ -1,0 +1,79 @@
+"""What one training iteration logs (`env/`, `adv/`, `steps/`, `prompt/`, `hgpo/`, `diag/`, `time/`): the same keys
+on every process, always, because the values are gathered as one vector (a process whose episodes all failed
+still sends every key)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hgpo_trl.advantages import LevelStats, StepBatch
+from hgpo_trl.diagnostics import Bias, advantage_bias
+from hgpo_trl.rollout import Rollout
+
+
+@dataclass(frozen=True)
+class SampleCounts:
+    """How an iteration's steps became training samples on this process."""
+
+    kept: int  # distinct steps trained
+    duplicated: int = 0  # extra copies (all_steps, fill_last_micro_batch="duplicate")
+    padded_fraction: float = 0.0  # share of the sample slots that are masked padding
+    optimizer_steps: int = 1  # optimizer steps the iteration makes
+
+
+def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray, samples: SampleCounts, args,
+                      levels: list[LevelStats] | None, *, diagnostics: bool, advantage_seconds: float,
+                      training_seconds: float) -> dict[str, float]:
+    """This process's metrics of one iteration (`args`: the HGPOConfig; `levels`: HGPO's level statistics of
+    the batch, under estimator hgpo). `diagnostics`: add each estimator's bias against whole-history oracle
+    groups (diag/*). A value that does not apply on this process is NaN."""
+    episodes, steps = rollout.episodes, rollout.steps
+    scores = [e.score for e in episodes if e.score is not None]
+    local = {
+        "env/success_rate": np.mean([e.won for e in episodes]),
+        "env/episode_reward": np.mean([e.total_reward for e in episodes]),
+        "env/episode_length": np.mean([e.steps for e in episodes]),
+        "env/invalid_rate": np.mean([not s.valid for s in steps]) if steps else 0.0,
+        "env/faults": sum(e.fault is not None for e in episodes),
+        # Environments that grade outcomes (WebShop's purchase score); NaN where none does (gathered by nanmean).
+        "env/score": float(np.mean(scores)) if scores else float("nan"),
+        "adv/mean": float(np.mean(advantages)) if steps else 0.0,
+        "adv/std": float(np.std(advantages)) if steps else 0.0,
+        "steps/collected": len(steps),
+        "steps/kept": samples.kept,
+        "steps/kept_fraction": samples.kept / max(len(steps), 1),
+        "steps/duplicated": samples.duplicated,
+        "steps/padded_fraction": samples.padded_fraction,
+        "steps/optimizer_steps": samples.optimizer_steps,
+        "time/generation": rollout.generation_seconds,
+        "time/env": rollout.env_seconds,
+        "time/rollout": rollout.seconds,
+        "time/advantages": advantage_seconds,
+        "time/training": training_seconds,
+        "throughput/env_steps_per_second": len(steps) / max(rollout.seconds, 1e-9),
+        **rollout.prompt_stats(),
+    }
+    if diagnostics:
+        estimators = args.diagnostic_estimators()
+        report = advantage_bias(batch, estimators, gamma=args.gamma, norm=args.advantage_norm,
+                                invalid_penalty=args.invalid_penalty) if steps else {}
+        for label in estimators:
+            bias = report.get(label, Bias(0.0, 0.0, 0.0, 0))
+            local[f"diag/{label}_bias"], local[f"diag/{label}_spread"] = bias.bias, bias.spread
+            local["diag/oracle_steps"] = bias.steps
+    if levels is not None:
+        for level in levels:
+            local[f"hgpo/level{level.level}_with_peers"] = level.with_peers / max(len(steps), 1)
+    return {name: float(value) for name, value in local.items()}
+
+
+def gathered_means(names: list[str], rows: np.ndarray) -> dict[str, float]:
+    """Per metric, the mean over processes (`rows`: one row per process, columns in `names` order), ignoring
+    the processes where it does not apply (NaN); a metric that applies nowhere is left out."""
+    means = {}
+    for name, column in zip(names, rows.T, strict=True):
+        if not np.all(np.isnan(column)):
+            means[name] = float(np.nanmean(column))
+    return means
