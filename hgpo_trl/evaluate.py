@@ -73,6 +73,10 @@ class EvalArguments:
     num_envs: int | None = field(
         default=None, metadata={"help": "Environments played at once (default: tasks_per_device x num_generations, "
                                         "as a training rollout)."})
+    episodes_per_seed: int | None = field(
+        default=None, metadata={"help": "Play this many episodes per split and seed, cycling through all of the "
+                                        "split's tasks (num_eval_tasks is then not read); the released evaluation "
+                                        "plays 512 (4 x 128). None: every task once."})
     eval_output_dir: str | None = field(
         default=None, metadata={"help": "Folder of evaluation.json and evaluation.md (default: output_dir/evaluation)."})
 
@@ -106,10 +110,15 @@ def prepare(argv: list[str] | None = None) -> Evaluation:
     if None in splits:
         raise ConfigError(f"EvalArguments.splits: environment {args.env_name!r} has no default evaluation split and "
                           "eval_split is None; name the splits with --splits")
+    if eval_args.episodes_per_seed is not None and eval_args.episodes_per_seed < 1:
+        raise ConfigError(f"EvalArguments.episodes_per_seed must be None or an integer >= 1, got "
+                          f"{eval_args.episodes_per_seed}")
+    episodes = eval_args.episodes_per_seed
     tasks = {}
     for split in splits:
         try:
-            tasks[split] = list(load_tasks(args, env_args, split, env_args.num_eval_tasks))
+            rows = list(load_tasks(args, env_args, split, None if episodes else env_args.num_eval_tasks))
+            tasks[split] = (rows * -(-episodes // len(rows)))[:episodes] if episodes else rows
         except ValueError as err:
             raise ConfigError(f"EvalArguments.splits: environment {args.env_name!r} has no split {split!r} "
                               f"to evaluate ({err})") from None

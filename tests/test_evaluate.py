@@ -96,6 +96,16 @@ def test_random_player_on_keydoor_plays_only_admissible_actions(tmp_path):
     assert "| random | valid | mean ± std | 11 |" in table
 
 
+def test_episodes_per_seed_cycles_through_every_task_of_the_split(tmp_path):
+    """As the released evaluation plays 4 x 128 episodes per seed: every task of the split (num_eval_tasks is not
+    read), cycled to the count."""
+    report, _ = evaluation(tmp_path, "--policy", "random", "--seeds", "1", "--episodes_per_seed", "25")
+    [result] = report["results"]
+    assert result["tasks"] == 25  # the 11 validation tasks of the 3x3 pools, 2 full passes and 3 more
+    with pytest.raises(SystemExit):
+        evaluation(tmp_path, "--policy", "random", "--episodes_per_seed", "0", out="bad")
+
+
 @needs_alfworld
 def test_random_player_on_real_alfworld_games_per_task_type(tmp_path):
     text = f"""env_name: alfworld
