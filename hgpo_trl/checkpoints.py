@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into output_dir
@@ -31,10 +32,17 @@ def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
     finally:
         del trainer._get_output_dir
     trainer.accelerator.wait_for_everyone()
+    # The Trainer recorded the best checkpoint where it wrote it (in staging), and only under step or epoch
+    # strategies: point it at the renamed folder, whatever the cadence, and keep that in the saved state.
+    best = trainer.state.best_global_step
+    if best and (best == trainer.state.global_step or os.path.isdir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}"))):
+        trainer.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
     if trainer.args.should_save:
         final = os.path.join(run_dir, name)
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (a resumed run)
         os.replace(os.path.join(staging, name), final)
+        if best:
+            trainer.state.save_to_json(os.path.join(final, TRAINER_STATE_NAME))
         rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
     trainer.accelerator.wait_for_everyone()

@@ -272,7 +272,10 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     before = start_evaluation(trainer.state.log_history)
-    after = trainer.evaluate() if eval_tasks is not None else {}
+    # The cadence may just have evaluated these weights (eval_every_iterations evaluates after the last iteration).
+    last = next((h for h in reversed(trainer.state.log_history) if "eval_success_rate" in h), {})
+    fresh = last.get("step") == trainer.state.global_step and not args.load_best_model_at_end
+    after = (last if fresh else trainer.evaluate()) if eval_tasks is not None else {}
     summary = {
         "success_rate_start": before.get("eval_success_rate"),
         "success_rate_end": after.get("eval_success_rate"),

@@ -1,7 +1,7 @@
 """Prompt encoding and transformers generation shared by the trainer's rollouts and `hgpo-eval`, so that both
 play the same prompts and cut the same completions."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,3 +30,17 @@ def generate_completions(model, config: GenerationConfig, prompt_ids: list[list[
     is_eos = torch.isin(completions, torch.tensor(eos_token_ids))
     ends = torch.where(is_eos.any(1), is_eos.int().argmax(1), completions.size(1))
     return [row[: end + 1].tolist() for row, end in zip(completions, ends.tolist(), strict=True)]
+
+
+def slices_by_position(use_vllm: bool, vllm_mode: str, tensor_parallel_size: int) -> bool:
+    """Whether the generation backend hands each process its completions by position in a shared batch, which
+    needs the same prompt count on every process: vLLM's server mode, and colocated vLLM with tensor
+    parallelism (TRL gathers a tensor-parallel group's prompts and slices the outputs by the local count)."""
+    return use_vllm and (vllm_mode == "server" or tensor_parallel_size > 1)
+
+
+def prompts_per_call(local: int, counts: Sequence[int] | None) -> int:
+    """How many prompts a process sends to one collective generate call: its own `local` count or, when the
+    backend slices by position, the busiest process's (`counts`: every process's), the rest dummy prompts; at
+    least 1, so that a process with no live episode still joins the call."""
+    return max(max(counts) if counts is not None else local, 1)

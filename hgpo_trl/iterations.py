@@ -6,6 +6,7 @@ trainer can (`HGPOTrainer.at_iteration_boundary`, `completed_iterations`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch.optim.lr_scheduler import LambdaLR
@@ -17,25 +18,36 @@ if TYPE_CHECKING:
     from hgpo_trl.trainer import HGPOTrainer
 
 
+@dataclass
+class IterationCount:
+    started: int = 0  # rollouts started: the 1-based number of the iteration being played or trained
+
+
 class IterationCadence(TrainerCallback):
-    """At the end of an iteration's last optimizer step: evaluate every `eval_every_iterations`, save every
-    `save_every_iterations` (checkpoints land on iteration boundaries only) and, under all_steps, stop after
-    `train_iterations` (with a final checkpoint when saving is on, as the Trainer does at max_steps)."""
+    """At the end of an iteration's last optimizer step: evaluate every `eval_every_iterations` and save every
+    `save_every_iterations` (checkpoints land on iteration boundaries only), both also after the last iteration
+    (as the release validates and saves at its last step); under all_steps, stop after `train_iterations`.
+    A multiple crossed counts even when the iterations on it collected no step (they make no optimizer step)."""
 
     def __init__(self, trainer: HGPOTrainer):
         self.trainer = trainer
+        self.previous = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.previous = self.trainer.completed_iterations  # a resumed run's
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.trainer.at_iteration_boundary:
             return
-        done = self.trainer.completed_iterations
-        if args.eval_every_iterations and done % args.eval_every_iterations == 0:
-            control.should_evaluate = True
-        if args.save_every_iterations and done % args.save_every_iterations == 0:
-            control.should_save = True
-        if args.step_batching == "all_steps" and done >= args.train_iterations:
+        done, previous = self.trainer.completed_iterations, self.previous
+        self.previous = done
+        last = args.train_iterations is not None and done >= args.train_iterations
+        for every, flag in ((args.eval_every_iterations, "should_evaluate"),
+                            (args.save_every_iterations, "should_save")):
+            if every and (done // every > previous // every or last):
+                setattr(control, flag, True)
+        if args.step_batching == "all_steps" and last:
             control.should_training_stop = True
-            control.should_save = control.should_save or bool(args.save_every_iterations)
 
 
 class IterationProgress(ProgressCallback):

@@ -33,36 +33,43 @@ class TaskSampler(Sampler[int]):
         self.repeat = repeat
         self.shuffle = shuffle
         self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
+        self.epoch = 0
 
     @property
     def iterations_per_pass(self) -> int:
         return math.ceil(self.num_tasks / self.tasks_per_iteration)
 
+    def set_epoch(self, epoch: int) -> None:
+        """The Trainer names the pass (epoch) it starts: a resumed run then plays that pass's order, not the
+        first pass's again."""
+        self.epoch = epoch
+
     def __iter__(self) -> Iterator[int]:
-        order = self._pass_order(torch.randperm(self.num_tasks, generator=self.generator) if self.shuffle
-                                 else torch.arange(self.num_tasks))
+        order = self.pass_order(self.epoch)
+        self.epoch += 1
         for start in range(0, len(order), self.tasks_per_iteration):
             chunk = order[start:start + self.tasks_per_iteration]
             for _ in range(self.repeat):
                 yield from chunk
 
-    def _pass_order(self, permutation: torch.Tensor) -> list[int]:
+    def pass_order(self, passes: int) -> list[int]:
+        """The tasks of pass `passes` (0-based) in order, one iteration's after another: the pass-th permutation
+        drawn from the seeded generator (every pass a fresh one when `shuffle`), a function of the pass alone."""
+        generator = torch.Generator().manual_seed(self.seed)
+        for _ in range(passes + 1):
+            permutation = (torch.randperm(self.num_tasks, generator=generator) if self.shuffle
+                           else torch.arange(self.num_tasks))
         needed = self.iterations_per_pass * self.tasks_per_iteration
         return (permutation.tolist() * math.ceil(needed / self.num_tasks))[:needed]
 
     def iteration_tasks(self, iteration: int, rank: int, num_processes: int) -> list[int]:
         """The task indices process `rank` plays in (0-based) `iteration`: what the dataloader serves it, as a
-        function of the iteration alone (step_batching='all_steps', where the dataloader only counts micro-steps,
-        and resumed runs). Pass p's order is the p-th permutation of the seeded generator, as in `__iter__`."""
+        function of the iteration alone (step_batching='all_steps', where the dataloader only counts
+        micro-steps)."""
         passes, chunk = divmod(iteration, self.iterations_per_pass)
-        generator = torch.Generator().manual_seed(self.seed)
-        for _ in range(passes + 1):
-            permutation = (torch.randperm(self.num_tasks, generator=generator) if self.shuffle
-                           else torch.arange(self.num_tasks))
         per_process = self.tasks_per_iteration // num_processes
         start = chunk * self.tasks_per_iteration + rank * per_process
-        return self._pass_order(permutation)[start:start + per_process]
+        return self.pass_order(passes)[start:start + per_process]
 
     def __len__(self) -> int:
         return self.iterations_per_pass * self.tasks_per_iteration * self.repeat

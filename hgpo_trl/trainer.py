@@ -35,7 +35,7 @@ from transformers.integrations.integration_utils import default_logdir
 from transformers.trainer_callback import ProgressCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
-from trl.trainer.utils import pad
+from trl.trainer.utils import pad, use_adapter
 
 from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
 from hgpo_trl.checkpoints import read_trainer_state, save_staged, write_trainer_state
@@ -43,8 +43,8 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import EnvBatch, default_num_workers, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
-from hgpo_trl.generation import encode_prompt, generate_completions
-from hgpo_trl.iterations import IterationCadence, IterationProgress, iteration_schedule
+from hgpo_trl.generation import encode_prompt, generate_completions, prompts_per_call, slices_by_position
+from hgpo_trl.iterations import IterationCadence, IterationCount, IterationProgress, iteration_schedule
 from hgpo_trl.metrics import SampleCounts, gathered_means, iteration_metrics
 from hgpo_trl.rollout import Completion, Rollout, StepRecord, run_rollout
 from hgpo_trl.sampler import TaskSampler
@@ -139,10 +139,19 @@ class HGPOTrainer(GRPOTrainer):
         self._sample_rng = np.random.default_rng(args.seed + self.accelerator.process_index)
         self._training_seconds = 0.0
         self._batch_seconds = 0.0
-        self._iteration = 0  # rollouts started (the 1-based number of the current iteration)
+        # Rollouts started (the 1-based number of the current iteration), in a mutable object: the Trainer builds a
+        # DeepSpeed-config scheduler on a shallow copy of itself, and the iteration schedule must see the count.
+        self._iterations = IterationCount()
         self._faulty_streak = 0
         self._micro_batches: deque[dict[str, Any]] = deque()  # all_steps: the current iteration's, in order
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
+        if args.eval_every_iterations and eval_dataset is None:
+            raise ValueError("HGPOConfig.eval_every_iterations needs an eval_dataset of task rows")
+        if args.step_batching == "all_steps" and self.is_deepspeed_enabled and \
+                self.accelerator.state.deepspeed_plugin.deepspeed_config.get("scheduler"):
+            raise ValueError("step_batching='all_steps' schedules the learning rate by iteration: remove the "
+                             "'scheduler' section of the DeepSpeed config (it would step per optimizer step over "
+                             "max_steps, only an upper bound) and set lr_scheduler_type instead")
         self.add_callback(IterationCadence(self))
         if args.train_iterations is not None and not args.disable_tqdm:
             self.callback_handler.remove_callback(ProgressCallback)
@@ -195,10 +204,10 @@ class HGPOTrainer(GRPOTrainer):
         """How many prompts this process sends to one generate call, for `count` of its own."""
         if not self._lockstep():
             return count
-        if self.use_vllm and self.vllm_mode == "server":
-            counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device))
-            return max(int(counts.max().item()), 1)
-        return max(count, 1)
+        counts = None
+        if slices_by_position(self.use_vllm, self.vllm_mode, self.vllm_tensor_parallel_size):
+            counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).tolist()
+        return prompts_per_call(count, counts)
 
     def _any_live(self, live: int) -> bool:
         if not self._lockstep():
@@ -284,6 +293,14 @@ class HGPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ iterations
     @property
+    def _iteration(self) -> int:
+        return self._iterations.started
+
+    @_iteration.setter
+    def _iteration(self, value: int) -> None:
+        self._iterations.started = value
+
+    @property
     def at_iteration_boundary(self) -> bool:
         """Whether the last optimizer step ended an iteration (checkpoints and evaluations go there only)."""
         if self.args.step_batching == "all_steps":
@@ -326,6 +343,13 @@ class HGPOTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch):
         tick = time.perf_counter()
         self._batch_seconds = 0.0
+        if self.args.step_batching == "all_steps" and not self._micro_batches:
+            self._micro_batches.extend(self._all_steps_iteration())
+            self._batch_seconds = time.perf_counter() - tick
+            if not self._micro_batches:
+                # The last iterations collected no step on any process: no backward, so the gradients stay None
+                # and the optimizer step the Trainer still takes moves nothing; IterationCadence stops the run.
+                return torch.zeros((), device=self.accelerator.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
         # The parent builds the batch (rollout and all) inside training_step: that time is not training.
         self._training_seconds += time.perf_counter() - tick - self._batch_seconds
@@ -366,37 +390,34 @@ class HGPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ all_steps: every step, as released
     def _prepare_inputs(self, inputs):
-        """all_steps: the next micro-batch of the current iteration, playing the next one when it is used up
-        (the parent's buffer would regenerate every steps_per_generation x num_iterations micro-steps)."""
+        """all_steps: the next micro-batch of the current iteration (training_step plays the next iteration when
+        they are used up; the parent's buffer would regenerate every steps_per_generation x num_iterations
+        micro-steps)."""
         if self.args.step_batching != "all_steps" or not self.model.training:
             return super()._prepare_inputs(inputs)
-        if not self._micro_batches:
-            start = time.perf_counter()
-            self._micro_batches.extend(self._all_steps_iteration())
-            self._batch_seconds = time.perf_counter() - start
         return self._micro_batches.popleft()
 
     def _all_steps_iteration(self) -> list[dict[str, Any]]:
         """The micro-batches of the next iteration that collects a step on some process: every step once, the
         last micro-batch short or filled with copies (`fill_last_micro_batch`), then micro-batches of padding
         alone so that every process runs the busiest one's count of windows, repeated
-        `num_iterations` times. Log-probabilities are taken here, before the first update."""
+        `num_iterations` times. Log-probabilities are taken here, before the first update. Empty when the
+        remaining iterations collect no step at all."""
         rank, processes = self.accelerator.process_index, self.accelerator.num_processes
         micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
         windows = 0
         while not windows:  # no optimizer step on nothing: an iteration whose episodes all failed trains none
             if self._iteration >= self.args.train_iterations:
-                raise RuntimeError(f"no environment step was collected in the last iterations (up to "
-                                   f"{self._iteration}); check the environment (env/faults)")
+                return []
             tasks = [self.train_dataset[i] for i in self._task_sampler.iteration_tasks(self._iteration, rank, processes)]
             rollout, batch, advantages, advantage_seconds = self._play_iteration(tasks)
             plan = plan_micro_batches(len(rollout.steps), micro, self.args.fill_last_micro_batch,
                                       self.args.shuffle_steps, self._sample_rng)
             busiest = self.accelerator.reduce(torch.tensor(len(plan), device=self.accelerator.device), reduction="max")
             windows = windows_for(int(busiest.item()), accumulation)
-            rows = sum(len(rows) for rows in plan)
-            samples = SampleCounts(kept=len(rollout.steps), duplicated=rows - len(rollout.steps),
-                                   padded_fraction=1.0 - rows / max(windows * accumulation * micro, 1),
+            trained = sum(len(rows) for rows in plan)
+            samples = SampleCounts(kept=len(rollout.steps), duplicated=trained - len(rollout.steps),
+                                   padded_fraction=1.0 - trained / max(windows * accumulation * micro, 1),
                                    optimizer_steps=windows * self.num_iterations)
             self._log_iteration("train", rollout, batch, advantages, samples, advantage_seconds)
             self._iteration += 1
@@ -440,8 +461,10 @@ class HGPOTrainer(GRPOTrainer):
             if self.ref_model is not None:
                 out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                     self.ref_model, input_ids, attention_mask, width, batch_size=batch_size)
-            else:  # PEFT: the model with its adapter disabled is the reference
-                with self.accelerator.unwrap_model(self.model).disable_adapter():
+            else:  # PEFT, as TRL: a new adapter's reference is the base model (adapter disabled); a model passed
+                # in with its adapter already trained has TRL's frozen copy of it, the "ref" adapter
+                model = self.accelerator.unwrap_model(self.model)
+                with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
                     out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                         self.model, input_ids, attention_mask, width, batch_size=batch_size)
         if is_correction:
@@ -493,6 +516,14 @@ class HGPOTrainer(GRPOTrainer):
 
         save_staged(self, trial, write)
 
+    def _determine_best_metric(self, metrics, trial) -> bool:
+        """The Trainer marks the best step only under step or epoch save strategies: also under
+        save_every_iterations, so load_best_model_at_end and rotation know the best checkpoint."""
+        is_new_best = super()._determine_best_metric(metrics, trial)
+        if is_new_best and self.args.save_every_iterations:
+            self.state.best_global_step = self.state.global_step
+        return is_new_best
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:  # a resumed run continues the iteration count (the stop, tasks, schedule)
@@ -516,7 +547,10 @@ class HGPOTrainer(GRPOTrainer):
             self._metrics[mode][name].append(value)
 
     def _log_samples(self, steps: list[StepRecord], advantages: np.ndarray) -> None:
-        """The completions table (TRL's `log_completions`): the trained samples of the iteration."""
+        """The completions table (TRL's `log_completions`): the trained samples of the iteration, gathered only
+        when it is asked for (an ALFWorld iteration holds thousands of prompts of thousands of tokens)."""
+        if not self.args.log_completions:
+            return
         self._logs["prompt"].extend(gather_object([s.prompt for s in steps]))
         self._logs["completion"].extend(gather_object([s.completion.text for s in steps]))
         self._logs["rewards"]["env_reward"].extend(gather_object([s.reward for s in steps]))

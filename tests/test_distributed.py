@@ -68,3 +68,24 @@ def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_bu
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
     logs = [h["steps/optimizer_steps"] for h in ranks[0]["log_history"] if "steps/optimizer_steps" in h]
     assert logs == windows
+
+
+def test_one_process_whose_environments_all_fail_logs_the_same_keys_and_goes_on(tmp_path):
+    """Process 1's episodes all fault in iteration 1 (no step collected there), process 0's are healthy: every
+    process still gathers the same metric keys (a shorter vector hangs NCCL, and gloo raises) and the run ends."""
+    ranks = launch("ddp", tmp_path, 29617, "fault=envs")
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    ours = ("env/", "adv/", "steps/", "hgpo/")
+    first = [{k: v for k, v in next(h for h in r["log_history"] if "env/faults" in h).items() if k.startswith(ours)}
+             for r in ranks]
+    assert first[0] == first[1] and first[0]["env/faults"] == 4  # the 8 episodes of process 1, averaged over 2
+    assert "hgpo/level0_with_peers" in first[0]
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
+
+
+def test_non_finite_advantages_on_one_process_stop_every_process(tmp_path):
+    """NaN advantages on process 1 only: both stop with the message before training, within the collective
+    timeout (a process deciding alone would leave the other waiting in its next collective)."""
+    ranks = launch("ddp", tmp_path, 29618, "fault=nan")
+    assert all("non-finite advantages at iteration 1" in r["error"] for r in ranks)
+    assert [r["global_step"] for r in ranks] == [0, 0]

@@ -50,12 +50,14 @@ DEFAULTS = """
     actor_rollout_ref.actor.ppo_epochs=1  actor_rollout_ref.actor.shuffle=False  actor_rollout_ref.actor.grad_clip=1.0
     actor_rollout_ref.actor.optim.weight_decay=0.01  actor_rollout_ref.actor.optim.warmup_style=constant
     actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0  actor_rollout_ref.rollout.temperature=1.0
-    actor_rollout_ref.actor.optim.lr=1e-6  compute_mean_std_cross_steps=True  adjust_batch.mode=copy"""
+    actor_rollout_ref.actor.optim.lr=1e-6  compute_mean_std_cross_steps=True  adjust_batch.mode=copy
+    algorithm.gigpo.mode=mean_norm"""
 
 # Released flag -> (our field, the value it means). `None` as a field: checked by the function named instead.
 MAPPING = {
     "actor_rollout_ref.model.path": lambda v: {"model_name_or_path": v},
-    "algorithm.hgpo.mode": lambda v: {"advantage_norm": v},
+    "algorithm.hgpo.mode": lambda v: {"hgpo_norm": v},
+    "algorithm.gigpo.mode": lambda v: {"gigpo_norm": v},
     "actor_rollout_ref.actor.ppo_mini_batch_size": lambda v: {"mini_batch_size": int(v)},
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": lambda v: {"per_device_train_batch_size": int(v)},
     "trainer.save_freq": lambda v: {"save_every_iterations": int(v)},
@@ -120,8 +122,11 @@ def expected(env: str, size: str, method: str) -> dict:
     fields["eval_split"] = {"alfworld": "valid_seen", "webshop": "test"}[env]
     estimator, k = METHODS[method]
     fields.update(estimator=estimator, history_length=k, step_batching="all_steps", std_ddof=1)
-    if estimator == "grpo":
-        fields["advantage_norm"] = "mean_std_norm"  # norm_adv_by_std_in_grpo=True (its own default)
+    # Each estimator reads its own mode: GRPO's norm_adv_by_std_in_grpo=True (default) is mean_std_norm.
+    hgpo_norm, gigpo_norm = fields.pop("hgpo_norm"), fields.pop("gigpo_norm")
+    fields["advantage_norm"] = {"hgpo": hgpo_norm, "gigpo": gigpo_norm, "grpo": "mean_std_norm"}[estimator]
+    # TRL extras the release has not: no vLLM / trainer importance ratio, no ratio on the KL term.
+    fields.update(vllm_importance_sampling_correction=False, use_bias_correction_kl=False)
     for field in ("alpha", "weighting", "base_group"):
         if estimator != "hgpo":
             fields.pop(field)

@@ -2,13 +2,17 @@
 global size with one optimizer step each, iterations driving the stop, the schedule and the cadence."""
 
 import copy
+import json
 
 import numpy as np
 import pytest
 import torch
 from peft import LoraConfig
+from transformers import TrainerCallback
 
 from hgpo_trl.advantages import ESTIMATORS, register_estimator
+from hgpo_trl.envs import make_tasks
+from hgpo_trl.envs.keydoor import KeyDoorEnv
 from hgpo_trl.step_batches import importance_sampling_ratio, plan_micro_batches, windows_for
 from tests.test_trainer import make_config, make_trainer, snapshot
 
@@ -266,3 +270,90 @@ def test_a_resumed_all_steps_run_continues_the_iterations(tmp_path, tiny_model, 
     resumed.train(resume_from_checkpoint=str(one))
     assert resumed.completed_iterations == 2 and len(played) == 1
     assert played[0] == [resumed.train_dataset[i]["task_id"] for i in resumed._task_sampler.iteration_tasks(1, 0, 1)]
+
+
+class FaultsInIterations(KeyDoorEnv):
+    """Keydoor whose resets raise in the given (1-based) iterations: every episode of those iterations fails, so
+    they collect no step (one reset per environment and iteration)."""
+
+    iterations: tuple[int, ...] = ()
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.resets = 0
+
+    def reset(self, task):
+        self.resets += 1
+        if self.resets in self.iterations:
+            raise RuntimeError("injected: the environment is down")
+        return super().reset(task)
+
+
+def faulting_in(*iterations):
+    return type("Faulting", (FaultsInIterations,), {"iterations": iterations})
+
+
+def test_a_last_iteration_without_steps_ends_the_run_with_its_checkpoint(tmp_path, tiny_model, tiny_tokenizer):
+    args = all_steps_config(tmp_path, train_iterations=3, save_every_iterations=1, max_faulty_iterations=0)
+    trainer = make_trainer(tiny_model, tiny_tokenizer, args, env_factory=faulting_in(3))
+    trainer.train()  # used to raise "no environment step was collected"
+    assert trainer.completed_iterations == 3
+    logs = [h for h in trainer.state.log_history if "steps/collected" in h]
+    assert [h["steps/collected"] for h in logs][-1] == 0
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
+    assert saved[-1] == trainer.state.global_step  # the final checkpoint, after the last iteration
+    state = json.loads((tmp_path / "out" / f"checkpoint-{saved[-1]}" / "hgpo_trainer_state.json").read_text())
+    assert state["iterations"] == 3
+
+
+def test_the_last_window_of_an_empty_iteration_moves_no_parameter(tmp_path, tiny_model, tiny_tokenizer):
+    args = all_steps_config(tmp_path, train_iterations=2, max_faulty_iterations=0)
+    trainer = make_trainer(tiny_model, tiny_tokenizer, args, env_factory=faulting_in(2))
+    after_first = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if trainer.completed_iterations == 1 and not after_first:
+                after_first.update(snapshot(tiny_model))
+
+    trainer.add_callback(Snapshot())
+    trainer.train()
+    assert after_first and all(torch.equal(v, after_first[k]) for k, v in snapshot(tiny_model).items())
+
+
+def test_the_cadence_counts_iterations_that_trained_nothing(tmp_path, tiny_model, tiny_tokenizer):
+    """Iteration 2 collects no step: iteration 3 is played in the same optimizer step, and the evaluation and
+    checkpoint due after iteration 2 come at that boundary rather than being skipped."""
+    args = all_steps_config(tmp_path, train_iterations=4, eval_every_iterations=2, save_every_iterations=2,
+                            max_faulty_iterations=0)
+    trainer = make_trainer(tiny_model, tiny_tokenizer, args, env_factory=faulting_in(2))
+    trainer.train()
+    assert sum("eval_success_rate" in h for h in trainer.state.log_history) == 2
+    assert len(list((tmp_path / "out").glob("checkpoint-*"))) == 2
+
+
+def test_the_schedule_reads_the_iterations_from_a_shallow_copy_too(tmp_path, tiny_model, tiny_tokenizer):
+    """The Trainer builds a DeepSpeed-config scheduler on copy.copy(trainer): the count must be shared."""
+    trainer = make_trainer(tiny_model, tiny_tokenizer, all_steps_config(tmp_path, train_iterations=4, learning_rate=0.01,
+                                                                        lr_scheduler_type="linear"))
+    trainer.create_optimizer()
+    shallow = copy.copy(trainer)
+    schedule = shallow.create_scheduler(100, trainer.optimizer)
+    trainer._iteration = 2  # two iterations done, at a boundary
+    schedule.step()
+    assert schedule.get_last_lr()[0] == pytest.approx(0.005)
+
+
+def test_fixed_budget_saves_after_the_last_iteration_too(tmp_path, tiny_model, tiny_tokenizer):
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, train_iterations=4,
+                                                                   save_every_iterations=3))
+    trainer.train()
+    assert sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*")) == [3, 4]
+
+
+def test_eval_every_iterations_needs_an_eval_dataset(tmp_path, tiny_model, tiny_tokenizer):
+    from hgpo_trl.trainer import HGPOTrainer
+
+    with pytest.raises(ValueError, match="eval_every_iterations needs an eval_dataset"):
+        HGPOTrainer(model=tiny_model, args=make_config(tmp_path, eval_every_iterations=1),
+                    processing_class=tiny_tokenizer, train_dataset=make_tasks("keydoor", "train", num_tasks=4))

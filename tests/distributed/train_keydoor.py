@@ -1,5 +1,9 @@
 """Two-iteration HGPO run on the tiny model, for multi-process tests: `accelerate launch ... train_keydoor.py OUT
-[beta=0.1] [gc=1] [batching=all_steps]`.
+[beta=0.1] [gc=1] [batching=all_steps] [fault=envs|nan]`.
+
+fault=envs: every environment of process 1 fails its first reset (iteration 1), process 0's are healthy.
+fault=nan: process 1's advantages are NaN in iteration 1; each process writes the error it stopped with.
+Collectives time out after 60 s (ddp_timeout), so a process left waiting fails the run instead of hanging.
 
 Each process writes OUT/rank{i}.json: the tasks it played, its logged metrics and a parameter checksum; with
 batching=all_steps also the advantages its estimator gave (each step its own value) and those its loss saw.
@@ -17,9 +21,10 @@ import numpy as np
 import torch
 from accelerate import PartialState
 
-from hgpo_trl.advantages import register_estimator
+from hgpo_trl.advantages import compute_advantages, register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_tasks
+from hgpo_trl.envs.keydoor import KeyDoorEnv
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
 from hgpo_trl.trainer import HGPOTrainer
 from tests.conftest import keydoor_corpus
@@ -34,6 +39,26 @@ def unique_advantages(batch):
     return values
 
 
+class FirstResetFails(KeyDoorEnv):
+    """Keydoor whose first reset raises on process 1: all of that process's episodes of iteration 1 fault."""
+
+    resets = 0
+
+    def reset(self, task):
+        self.resets += 1
+        if self.resets == 1 and PartialState().process_index == 1:
+            raise RuntimeError("injected: the environment is down")
+        return super().reset(task)
+
+
+def nan_on_rank1_first(batch, **options):
+    advantages = compute_advantages("hgpo", batch, **options)
+    ESTIMATED.append([])
+    if len(ESTIMATED) == 1 and PartialState().process_index == 1:
+        advantages[:] = np.nan
+    return advantages
+
+
 def main(out: str, extra: list[str]) -> None:
     options = dict(arg.split("=", 1) for arg in extra)
     tokenizer = build_tiny_tokenizer(keydoor_corpus())
@@ -42,15 +67,19 @@ def main(out: str, extra: list[str]) -> None:
     if options.get("batching") == "all_steps":  # micro-batches of 2, mini-batches of 8 over both processes
         register_estimator("unique", unique_advantages)
         batching = dict(step_batching="all_steps", mini_batch_size=8, estimator="unique")
+    if options.get("fault") == "nan":
+        register_estimator("nan_on_rank1", nan_on_rank1_first)
+        batching["estimator"] = "nan_on_rank1"
     args = HGPOConfig(output_dir=os.path.join(out, "run"), per_device_train_batch_size=2 if batching else 8,
                       num_generations=4, tasks_per_device=2, max_completion_length=4, max_env_steps=5,
                       action_mode="plain", invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
                       logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
                       disable_tqdm=True, beta=float(options.get("beta", 0.0)),
-                      gradient_checkpointing=options.get("gc") == "1", **batching)
+                      gradient_checkpointing=options.get("gc") == "1", ddp_timeout=60, **batching)
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer,
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4),
-                          eval_dataset=make_tasks("keydoor", "valid", num_tasks=3))
+                          eval_dataset=make_tasks("keydoor", "valid", num_tasks=3),
+                          env_factory=FirstResetFails if options.get("fault") == "envs" else None)
     played = []
     original = trainer._play
 
@@ -67,7 +96,13 @@ def main(out: str, extra: list[str]) -> None:
         return compute(model, inputs)
 
     trainer._compute_loss = recording_loss
-    trainer.train()
+    rank = trainer.accelerator.process_index
+    try:
+        trainer.train()
+    except FloatingPointError as err:
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"rank": rank, "error": str(err), "global_step": trainer.state.global_step}, f)
+        return
     metrics = trainer.evaluate()
     params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
     gathered = contextlib.nullcontext()
@@ -77,7 +112,6 @@ def main(out: str, extra: list[str]) -> None:
         gathered = deepspeed.zero.GatheredParameters(params)
     with gathered, torch.no_grad():
         checksum = float(sum(p.double().sum() for p in params))
-    rank = trainer.accelerator.process_index
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "played": played,
                    "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum,
