@@ -6,14 +6,16 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 STAGING_DIR = ".staging"  # checkpoints are written here, then renamed into output_dir
-TRAINER_STATE_FILE = "hgpo_trainer_state.json"  # the iterations played, beside trainer_state.json
+TRAINER_STATE_FILE = "hgpo_trainer_state_{rank}.json"  # each process's own state, beside trainer_state.json
 
 
 def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
@@ -48,11 +50,36 @@ def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def write_trainer_state(folder: str | Path, state: dict[str, Any]) -> None:
-    Path(folder, TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
+def write_trainer_state(folder: str | Path, rank: int, state: dict[str, Any]) -> None:
+    """Process `rank`'s own state (the iterations played, its random streams) into checkpoint `folder`."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, TRAINER_STATE_FILE.format(rank=rank)).write_text(json.dumps(state, indent=2))
 
 
-def read_trainer_state(folder: str | Path) -> dict[str, Any]:
-    """The trainer's own state saved in checkpoint `folder`; {} for a checkpoint written before it was kept."""
-    path = Path(folder, TRAINER_STATE_FILE)
+def read_trainer_state(folder: str | Path, rank: int) -> dict[str, Any]:
+    """Process `rank`'s state saved in checkpoint `folder`; {} for a checkpoint that has none (another
+    number of processes, or a checkpoint from before the trainer kept one)."""
+    path = Path(folder, TRAINER_STATE_FILE.format(rank=rank))
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@contextmanager
+def cpu_map_location(device: torch.device):
+    """The Trainer loads a checkpoint's optimizer onto `args.device` when there are several processes; on CPUs
+    that is `cpu:0`, which torch.load cannot restore to ("don't know how to restore data location"), so a
+    multi-process CPU run could not resume. Within this context a CPU map_location is plain "cpu"."""
+    if device.type != "cpu":
+        yield
+        return
+    load = torch.load
+
+    def load_on_cpu(*args, map_location=None, **kwargs):
+        if isinstance(map_location, torch.device) and map_location.type == "cpu":
+            map_location = "cpu"
+        return load(*args, map_location=map_location, **kwargs)
+
+    torch.load = load_on_cpu
+    try:
+        yield
+    finally:
+        torch.load = load

@@ -201,6 +201,12 @@ class HGPOConfig(GRPOConfig):
                     f"train_iterations needs steps_per_generation x num_iterations ({per_iteration}) to be a "
                     f"multiple of gradient_accumulation_steps ({self.gradient_accumulation_steps})")
             self.max_steps = self.train_iterations * per_iteration // self.gradient_accumulation_steps
+        steps_per_iteration = self.steps_per_generation * self.num_iterations // self.gradient_accumulation_steps
+        if (self.step_batching == "fixed_budget" and str(getattr(self.save_strategy, "value", self.save_strategy))
+                == "steps" and self.save_steps >= 1 and steps_per_iteration > 1 and self.save_steps % steps_per_iteration):
+            raise ValueError(f"HGPOConfig.save_steps ({self.save_steps}) must be a multiple of the {steps_per_iteration} "
+                             "optimizer steps of an iteration: a checkpoint inside one cannot resume it (TRL's buffer "
+                             "of its samples is not saved); or use save_every_iterations")
 
     def _set_iteration_cadence(self) -> None:
         """eval_every_iterations / save_every_iterations replace the optimizer-step strategies, which cannot say
@@ -310,6 +316,14 @@ class HGPOConfig(GRPOConfig):
             if wanted and importlib.util.find_spec(package) is None:
                 raise ValueError(f"HGPOConfig.{name}={getattr(self, name)!r} needs the {package} package, which is "
                                  f'not installed: pip install "hgpo-trl[{package}]"')
+        if self.push_to_hub and str(getattr(self.hub_strategy, "value", self.hub_strategy)) in (
+                "checkpoint", "all_checkpoints"):
+            raise ValueError(f"HGPOConfig.hub_strategy={self.hub_strategy!r} is not supported: checkpoints are "
+                             "written in a staging folder and renamed once complete, and the Trainer would upload "
+                             "the staging folder; use 'every_save' or 'end'")
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            raise ValueError("HGPOConfig.load_best_model_at_end needs metric_for_best_model, e.g. 'success_rate' "
+                             "(evaluate() reports eval_success_rate, eval_episode_reward, ...; there is no eval_loss)")
         if self.hierarchy_depth is not None and self.hierarchy_depth > self.history_length:
             warnings.warn(
                 f"hierarchy_depth ({self.hierarchy_depth}) > history_length ({self.history_length}): HGPO's deepest "

@@ -44,3 +44,13 @@ def prompts_per_call(local: int, counts: Sequence[int] | None) -> int:
     backend slices by position, the busiest process's (`counts`: every process's), the rest dummy prompts; at
     least 1, so that a process with no live episode still joins the call."""
     return max(max(counts) if counts is not None else local, 1)
+
+
+def prompt_budget(max_position_embeddings: int | None, vllm_max_model_length: int | None,
+                  max_completion_length: int | None) -> int | None:
+    """The default max_prompt_tokens: the generator's context (vLLM's max_model_length when it is set, which
+    users lower to save KV cache: a longer prompt would fail one process's call and hang the others; else the
+    model's) minus max_completion_length. None when the context is unknown or too short to leave room."""
+    context = vllm_max_model_length or max_position_embeddings
+    completion = max_completion_length or 0
+    return context - completion if context and context > completion else None

@@ -24,8 +24,8 @@ class SampleCounts:
 
 
 def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray, samples: SampleCounts, args,
-                      levels: list[LevelStats] | None, *, diagnostics: bool, advantage_seconds: float,
-                      training_seconds: float) -> dict[str, float]:
+                      levels: list[LevelStats] | None, *, eos_token_ids, diagnostics: bool,
+                      advantage_seconds: float, training_seconds: float) -> dict[str, float]:
     """This process's metrics of one iteration (`args`: the HGPOConfig; `levels`: HGPO's level statistics of
     the batch, under estimator hgpo). `diagnostics`: add each estimator's bias against whole-history oracle
     groups (diag/*). A value that does not apply on this process is NaN."""
@@ -54,6 +54,7 @@ def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray
         "time/training": training_seconds,
         "throughput/env_steps_per_second": len(steps) / max(rollout.seconds, 1e-9),
         **rollout.prompt_stats(),
+        **completion_metrics(steps, eos_token_ids),
     }
     if diagnostics:
         estimators = args.diagnostic_estimators()
@@ -69,11 +70,34 @@ def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray
     return {name: float(value) for name, value in local.items()}
 
 
-def gathered_means(names: list[str], rows: np.ndarray) -> dict[str, float]:
-    """Per metric, the mean over processes (`rows`: one row per process, columns in `names` order), ignoring
-    the processes where it does not apply (NaN); a metric that applies nowhere is left out."""
-    means = {}
+def completion_metrics(steps, eos_token_ids) -> dict[str, float]:
+    """TRL's `completions/*` over this process's steps: lengths in tokens, and `clipped_ratio`, the share that
+    hit max_completion_length without an end token (NaN where it does not apply)."""
+    lengths = np.array([len(s.completion.completion_ids) for s in steps], dtype=float)
+    ended = np.array([bool(s.completion.completion_ids) and s.completion.completion_ids[-1] in eos_token_ids
+                      for s in steps], dtype=bool)
+    terminated = lengths[ended]
+
+    def stat(values: np.ndarray, fn) -> float:
+        return float(fn(values)) if values.size else float("nan")
+
+    return {"completions/mean_length": stat(lengths, np.mean), "completions/min_length": stat(lengths, np.min),
+            "completions/max_length": stat(lengths, np.max), "completions/clipped_ratio": stat(~ended, np.mean),
+            "completions/mean_terminated_length": stat(terminated, np.mean),
+            "completions/min_terminated_length": stat(terminated, np.min),
+            "completions/max_terminated_length": stat(terminated, np.max)}
+
+
+def combine_processes(names: list[str], rows: np.ndarray) -> dict[str, float]:
+    """Per metric, its value over processes (`rows`: one row per process, columns in `names` order): the
+    minimum for a `min` metric (`.../min`, `.../min_length`), the maximum for a `max` one, else the mean,
+    ignoring the processes where it does not apply (NaN); a metric that applies nowhere is left out."""
+    combined = {}
     for name, column in zip(names, rows.T, strict=True):
-        if not np.all(np.isnan(column)):
-            means[name] = float(np.nanmean(column))
-    return means
+        if np.all(np.isnan(column)):
+            continue
+        last = name.rsplit("/", 1)[-1]
+        reduce = (np.nanmin if last == "min" or last.startswith("min_") else
+                  np.nanmax if last == "max" or last.startswith("max_") else np.nanmean)
+        combined[name] = float(reduce(column))
+    return combined

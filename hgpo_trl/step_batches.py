@@ -96,3 +96,21 @@ def importance_sampling_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: t
         return torch.clamp(ratio, min=low, max=high)
     outside = (ratio < (-math.inf if low is None else low)) | (ratio > (math.inf if high is None else high))
     return ratio.masked_fill(outside, 0.0)
+
+
+def sampling_metrics(old: torch.Tensor, sampling: torch.Tensor, ratio: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """TRL's `sampling/*` diagnostics of one batch: how far vLLM's log-probabilities are from the trainer's
+    (tokens vLLM could not score, NaN, left out) and the importance ratio's range (NaN where nothing applies)."""
+    delta = (old - sampling).abs()[mask.bool()]
+    delta = delta[~torch.isnan(delta)]
+    flat = ratio.flatten() if ratio.size(-1) == 1 else ratio[mask.bool()]
+
+    def stat(values: torch.Tensor, fn) -> float:
+        return float(fn(values)) if values.numel() else float("nan")
+
+    return {"sampling/sampling_logp_difference/mean": stat(delta, torch.mean),
+            "sampling/sampling_logp_difference/max": stat(delta, torch.max),
+            "sampling/importance_sampling_ratio/min": stat(flat, torch.min),
+            "sampling/importance_sampling_ratio/mean": stat(flat, torch.mean),
+            "sampling/importance_sampling_ratio/max": stat(flat, torch.max)}

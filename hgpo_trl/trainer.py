@@ -38,20 +38,27 @@ from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_ge
 from trl.trainer.utils import pad, use_adapter
 
 from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
-from hgpo_trl.checkpoints import read_trainer_state, save_staged, write_trainer_state
+from hgpo_trl.checkpoints import cpu_map_location, read_trainer_state, save_staged, write_trainer_state
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import EnvBatch, default_num_workers, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
-from hgpo_trl.generation import encode_prompt, generate_completions, prompts_per_call, slices_by_position
+from hgpo_trl.generation import (
+    encode_prompt,
+    generate_completions,
+    prompt_budget,
+    prompts_per_call,
+    slices_by_position,
+)
 from hgpo_trl.iterations import IterationCadence, IterationCount, IterationProgress, iteration_schedule
-from hgpo_trl.metrics import SampleCounts, gathered_means, iteration_metrics
+from hgpo_trl.metrics import SampleCounts, combine_processes, iteration_metrics
 from hgpo_trl.rollout import Completion, Rollout, StepRecord, run_rollout
 from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.step_batches import (
     importance_sampling_ratio,
     plan_micro_batches,
     sample_tensors,
+    sampling_metrics,
     select_budget,
     windows_for,
 )
@@ -125,11 +132,11 @@ class HGPOTrainer(GRPOTrainer):
                 callback.logging_dir = os.path.join(args.output_dir, default_logdir())
         self.env_factory = env_factory or partial(make_env, args.env_name, **(args.env_kwargs or {}))
         self.rollout_settings = args.rollout_settings()
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        if self.rollout_settings.max_prompt_tokens is None and context and context > (args.max_completion_length or 0):
-            # Prompts must leave room for the completion: fit them to the model's context by default.
-            self.rollout_settings = dataclasses.replace(self.rollout_settings,
-                                                        max_prompt_tokens=context - (args.max_completion_length or 0))
+        if self.rollout_settings.max_prompt_tokens is None:
+            # Prompts must leave room for the completion: fit them to the context the generator has.
+            budget = prompt_budget(getattr(self.model.config, "max_position_embeddings", None),
+                                   args.vllm_max_model_length if args.use_vllm else None, args.max_completion_length)
+            self.rollout_settings = dataclasses.replace(self.rollout_settings, max_prompt_tokens=budget)
         self._env_workers = args.env_workers
         if self._env_workers is None:  # a slow environment gets a worker pool sized to this process's cores
             fast = env_factory is not None or is_fast_env(args.env_name)
@@ -246,7 +253,9 @@ class HGPOTrainer(GRPOTrainer):
                                           gather_deepspeed3_params=self.args.ds3_gather_for_generation,
                                           generation_kwargs=self.generation_kwargs,
                                           gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
-              as model, torch.no_grad()):
+              as model, torch.no_grad(),
+              # FSDP (v1) shards the parameters: gather them for generation, as TRL does (a no-op otherwise).
+              self._dist.summon_full_params(self.model_wrapped, recurse=False)):
             yield partial(self._hf_generate, model, config)
 
     def _hf_generate(self, model, config: GenerationConfig, prompt_ids: list[list[int]]):
@@ -353,10 +362,15 @@ class HGPOTrainer(GRPOTrainer):
         loss = super().training_step(model, inputs, num_items_in_batch)
         # The parent builds the batch (rollout and all) inside training_step: that time is not training.
         self._training_seconds += time.perf_counter() - tick - self._batch_seconds
-        # Before the optimizer step: the parameters are still good and no checkpoint holds a NaN. Every process
-        # takes the same decision, so none is left waiting in a collective.
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss, checked before its backward: under DeepSpeed the optimizer steps inside the backward of a
+        window's last micro-batch, so a check after it would come too late. Every process takes the same
+        decision, so none is left waiting in a collective."""
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         bad = torch.tensor(float(not torch.isfinite(loss).all()), device=self.accelerator.device)
-        if self.accelerator.reduce(bad, reduction="max").item() > 0:
+        if self.model.training and self.accelerator.reduce(bad, reduction="max").item() > 0:
             raise FloatingPointError(
                 f"non-finite loss at iteration {self._iteration} (1-based; optimizer step {self.state.global_step + 1}): the "
                 f"parameters were not updated and the last checkpoint in {self.args.output_dir} is intact; check "
@@ -467,14 +481,19 @@ class HGPOTrainer(GRPOTrainer):
                 with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
                     out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                         self.model, input_ids, attention_mask, width, batch_size=batch_size)
-        if is_correction:
+        if self.use_vllm and steps and all(s.completion.logprobs is not None for s in steps):
+            # Passed whenever the backend gave them, as TRL does (its off-policy mask reads them).
             sampled = [torch.tensor([float("nan") if x is None else x for x in s.completion.logprobs]) for s in steps]
             sampled += [torch.zeros(1)] * (input_ids.size(0) - len(steps))
-            sampling = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
-            out["sampling_per_token_logps"] = sampling
+            out["sampling_per_token_logps"] = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
+        if is_correction:
+            sampling = out.get("sampling_per_token_logps", out["old_per_token_logps"])  # (padding alone: no vLLM rows)
             out["importance_sampling_ratio"] = importance_sampling_ratio(
                 out["old_per_token_logps"], sampling, samples["completion_mask"], self.vllm_importance_sampling_mode,
                 self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
+            out["sampling_per_token_logps"] = sampling
+            self._log_gathered("train", sampling_metrics(out["old_per_token_logps"], sampling,
+                                                         out["importance_sampling_ratio"], samples["completion_mask"]))
         return out
 
     def _records(self, rollout: Rollout, tasks: list, advantages: np.ndarray | None) -> list[dict]:
@@ -511,8 +530,10 @@ class HGPOTrainer(GRPOTrainer):
 
         def write(folder: str) -> None:
             parent(model, trial)
-            if self.args.should_save:
-                write_trainer_state(folder, {"iterations": self.completed_iterations})
+            # Every process its own: the sub-sampling stream is seeded per process.
+            write_trainer_state(folder, self.accelerator.process_index, {
+                "iterations": self.completed_iterations, "faulty_streak": self._faulty_streak,
+                "sample_rng": self._sample_rng.bit_generator.state})
 
         save_staged(self, trial, write)
 
@@ -525,9 +546,17 @@ class HGPOTrainer(GRPOTrainer):
         return is_new_best
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:  # a resumed run continues the iteration count (the stop, tasks, schedule)
-            self._iteration = read_trainer_state(checkpoint).get("iterations", self._iteration)
+        with cpu_map_location(self.args.device):
+            super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        # A resumed run continues the iteration count (the stop, the tasks, the schedule, dump names and the
+        # diagnostics cadence), the fault streak and the sub-sampling stream: it is the run it continues.
+        state = read_trainer_state(checkpoint, self.accelerator.process_index)
+        self._iteration = state.get("iterations", self._iteration)
+        self._faulty_streak = state.get("faulty_streak", self._faulty_streak)
+        if "sample_rng" in state:
+            self._sample_rng.bit_generator.state = state["sample_rng"]
 
     # ------------------------------------------------------------------ logging
     def _log_iteration(self, mode: str, rollout: Rollout, batch: StepBatch, advantages: np.ndarray,
@@ -538,12 +567,22 @@ class HGPOTrainer(GRPOTrainer):
             levels = hgpo_level_stats(batch, history_length=self.args.depth)
             self.last_level_stats = levels if rollout.steps else self.last_level_stats
         local = iteration_metrics(rollout, batch, advantages, samples, self.args, levels,
+                                  eos_token_ids=self.eos_token_ids,
                                   diagnostics=bool(every) and mode == "train" and self._iteration % every == 0,
                                   advantage_seconds=advantage_seconds, training_seconds=self._training_seconds)
         self._training_seconds = 0.0
+        self._log_gathered(mode, local)
+        # TRL's num_tokens: the prompt and completion tokens of every step played so far, over all processes.
+        tokens = sum(len(s.completion.prompt_ids) + len(s.completion.completion_ids) for s in rollout.steps)
+        self.state.num_input_tokens_seen += int(self.accelerator.reduce(
+            torch.tensor(tokens, device=self.accelerator.device), reduction="sum").item())
+        self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
+
+    def _log_gathered(self, mode: str, local: dict[str, float]) -> None:
+        """Gather every process's `local` metrics (the same keys everywhere) and log them combined."""
         names = sorted(local)
         gathered = self.accelerator.gather(torch.tensor([local[k] for k in names], device=self.accelerator.device)[None])
-        for name, value in gathered_means(names, gathered.reshape(-1, len(names)).cpu().numpy()).items():
+        for name, value in combine_processes(names, gathered.reshape(-1, len(names)).cpu().numpy()).items():
             self._metrics[mode][name].append(value)
 
     def _log_samples(self, steps: list[StepRecord], advantages: np.ndarray) -> None:

@@ -2,12 +2,18 @@
 to, whatever the save cadence, so rotation keeps it and load_best_model_at_end loads it."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_trainer import make_config, make_trainer
 
+ROOT = Path(__file__).resolve().parents[1]
+KILL_AND_RESUME = ROOT / "tests" / "resume" / "train_or_die.py"
 BEST = dict(load_best_model_at_end=True, metric_for_best_model="success_rate", greater_is_better=True)
 
 
@@ -53,3 +59,54 @@ def test_a_resume_in_a_later_pass_plays_that_pass_order(tmp_path, tiny_model, ti
     continued = played(resumed)
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-5"))
     assert len(uninterrupted) == 6 and continued == uninterrupted[5:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_killed_run_resumes_as_the_run_it_continues(tmp_path, processes):
+    """Killed (SIGKILL) after iteration 3 of 6, in the second pass over the tasks, then resumed: the same
+    parameters (bitwise on 1 process, within 1e-6 on 2), logged metrics (time aside), task order, samples and
+    trajectory dumps as the run never stopped."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launcher = [sys.executable] if processes == 1 else [
+        str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
+        "--main_process_port", "29621"]
+
+    def run(out, *options):
+        return subprocess.run([*launcher, str(KILL_AND_RESUME), str(out), *options], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    assert run(straight).returncode == 0
+    killed = run(interrupted, "kill_after=3")
+    assert killed.returncode != 0
+    assert [p.name for p in checkpoints(interrupted)] == [f"checkpoint-{i}" for i in (1, 2, 3)]
+    resumed = run(interrupted, "resume=1")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    final_straight, final_resumed = torch.load(straight / "final.pt"), torch.load(interrupted / "final.pt")
+    assert final_straight.keys() == final_resumed.keys()
+    tolerance = 0.0 if processes == 1 else 1e-6
+    for name, value in final_straight.items():
+        torch.testing.assert_close(final_resumed[name], value, rtol=tolerance, atol=tolerance, msg=name)
+
+    def metrics(out):
+        history = json.loads((out / "checkpoint-6" / "trainer_state.json").read_text())["log_history"]
+        return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/")) and k != "step_time"}
+                for h in history if "env/success_rate" in h]
+
+    assert len(metrics(straight)) == 6 and metrics(interrupted) == metrics(straight)
+    # The same episodes, tasks and samples: every iteration's dump (per process), named by its iteration.
+    dumps = sorted(p.name for p in (straight / "trajectories").glob("*.jsonl"))
+    suffixes = [""] if processes == 1 else ["_rank0", "_rank1"]
+    assert dumps == sorted(f"iter_{i:06d}{s}.jsonl" for i in range(1, 7) for s in suffixes)
+    assert sorted(p.name for p in (interrupted / "trajectories").glob("*.jsonl")) == dumps
+    for name in dumps:
+        assert (interrupted / "trajectories" / name).read_text() == (straight / "trajectories" / name).read_text(), name
+
+
+def test_checkpoints_inside_an_iteration_are_refused(tmp_path):
+    # 2 optimizer steps an iteration (steps_per_generation 2, one micro-batch each): save_steps 3 would land inside.
+    with pytest.raises(ValueError, match=r"save_steps \(3\) must be a multiple of the 2 optimizer steps"):
+        make_config(tmp_path, steps_per_generation=2, per_device_train_batch_size=8, save_strategy="steps", save_steps=3)
+    make_config(tmp_path, steps_per_generation=2, per_device_train_batch_size=8, save_strategy="steps", save_steps=4)

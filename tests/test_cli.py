@@ -170,46 +170,6 @@ plots: false
     assert all(torch.equal(reference[k], after[k]) for k in reference)  # the resume did not replace it
 
 
-@pytest.mark.slow
-def test_a_killed_run_resumes_to_the_same_parameters_and_metrics(tmp_path):
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import torch
-
-    root = Path(__file__).resolve().parents[1]
-    script = str(root / "tests" / "resume" / "train_or_die.py")
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-
-    def run(out, *options):
-        return subprocess.run([sys.executable, script, str(out), *options], env=env, cwd=root,
-                              capture_output=True, text=True, timeout=300)
-
-    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    assert run(straight).returncode == 0
-    killed = run(interrupted, "kill_after=2")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert sorted(p.name for p in interrupted.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-    resumed = run(interrupted, "resume=1")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-
-    final_straight, final_resumed = torch.load(straight / "final.pt"), torch.load(interrupted / "final.pt")
-    assert final_straight.keys() == final_resumed.keys()
-    for name, value in final_straight.items():
-        torch.testing.assert_close(final_resumed[name], value, rtol=0, atol=0, msg=name)
-
-    def metrics(out):
-        history = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
-        return [{k: v for k, v in h.items() if not k.startswith(("time/", "throughput/")) and k != "step_time"}
-                for h in history if "env/success_rate" in h]
-
-    assert len(metrics(straight)) == 4 and metrics(interrupted) == metrics(straight)
-
-
 def test_a_model_folder_loads_through_transformers(tmp_path, tiny_model_path):
     import json
 

@@ -89,3 +89,14 @@ def test_non_finite_advantages_on_one_process_stop_every_process(tmp_path):
     ranks = launch("ddp", tmp_path, 29618, "fault=nan")
     assert all("non-finite advantages at iteration 1" in r["error"] for r in ranks)
     assert [r["global_step"] for r in ranks] == [0, 0]
+
+
+def test_a_non_finite_loss_stops_every_process_before_deepspeed_steps(tmp_path):
+    """Under DeepSpeed the optimizer steps inside the backward of a window's last micro-batch: the check must
+    come before it. Process 1's loss is NaN in the second optimizer step: both processes stop with the message,
+    the parameters those of the first step."""
+    ranks = launch("zero3", tmp_path, 29619, "fault=nanloss")
+    for rank in ranks:
+        assert "non-finite loss at iteration 2" in rank["error"] and "parameters were not updated" in rank["error"]
+        after_first, final = rank["checksums"]
+        assert final == after_first and math.isfinite(final)

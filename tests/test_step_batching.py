@@ -254,7 +254,7 @@ def test_iterations_drive_the_schedule_evaluation_and_checkpoints(tmp_path, tiny
     assert [h["step"] for h in history if "eval_success_rate" in h] == [ends[2], ends[4]]
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
     assert saved == [ends[3], ends[4]]
-    state = (tmp_path / "out" / f"checkpoint-{ends[3]}" / "hgpo_trainer_state.json").read_text()
+    state = (tmp_path / "out" / f"checkpoint-{ends[3]}" / "hgpo_trainer_state_0.json").read_text()
     assert '"iterations": 3' in state
 
 
@@ -302,7 +302,7 @@ def test_a_last_iteration_without_steps_ends_the_run_with_its_checkpoint(tmp_pat
     assert [h["steps/collected"] for h in logs][-1] == 0
     saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").glob("checkpoint-*"))
     assert saved[-1] == trainer.state.global_step  # the final checkpoint, after the last iteration
-    state = json.loads((tmp_path / "out" / f"checkpoint-{saved[-1]}" / "hgpo_trainer_state.json").read_text())
+    state = json.loads((tmp_path / "out" / f"checkpoint-{saved[-1]}" / "hgpo_trainer_state_0.json").read_text())
     assert state["iterations"] == 3
 
 

@@ -3,6 +3,8 @@
 
 fault=envs: every environment of process 1 fails its first reset (iteration 1), process 0's are healthy.
 fault=nan: process 1's advantages are NaN in iteration 1; each process writes the error it stopped with.
+fault=nanloss: process 1's loss is NaN in the second optimizer step; each process writes the error and the
+parameter checksums after the first step and when it stopped.
 Collectives time out after 60 s (ddp_timeout), so a process left waiting fails the run instead of hanging.
 
 Each process writes OUT/rank{i}.json: the tasks it played, its logged metrics and a parameter checksum; with
@@ -20,6 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 from accelerate import PartialState
+from transformers import TrainerCallback
 
 from hgpo_trl.advantages import compute_advantages, register_estimator
 from hgpo_trl.config import HGPOConfig
@@ -59,6 +62,28 @@ def nan_on_rank1_first(batch, **options):
     return advantages
 
 
+def checksum(trainer) -> float:
+    """The sum of every parameter (gathered under ZeRO-3, which partitions them), NaN if any is NaN."""
+    params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
+    gathered = contextlib.nullcontext()
+    if trainer.is_deepspeed_enabled:
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with gathered, torch.no_grad():
+        return float(sum(p.double().sum() for p in params))
+
+
+class Checksum(TrainerCallback):
+    """The parameter checksum after every optimizer step."""
+
+    def __init__(self, trainer, checksums: list[float]):
+        self.trainer, self.checksums = trainer, checksums
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.checksums.append(checksum(self.trainer))
+
+
 def main(out: str, extra: list[str]) -> None:
     options = dict(arg.split("=", 1) for arg in extra)
     tokenizer = build_tiny_tokenizer(keydoor_corpus())
@@ -95,26 +120,29 @@ def main(out: str, extra: list[str]) -> None:
         seen.append(inputs["advantages"][inputs["completion_mask"].sum(1) > 0].tolist())
         return compute(model, inputs)
 
-    trainer._compute_loss = recording_loss
+    if options.get("fault") == "nanloss":
+        def nan_loss_in_step_two(model, inputs):
+            loss = compute(model, inputs)
+            return loss * float("nan") if trainer.state.global_step == 1 and PartialState().process_index == 1 else loss
+
+        trainer._compute_loss = nan_loss_in_step_two
+    else:
+        trainer._compute_loss = recording_loss
+    checksums = []
+    trainer.add_callback(Checksum(trainer, checksums))
     rank = trainer.accelerator.process_index
     try:
         trainer.train()
     except FloatingPointError as err:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"rank": rank, "error": str(err), "global_step": trainer.state.global_step}, f)
+            json.dump({"rank": rank, "error": str(err), "global_step": trainer.state.global_step,
+                       "checksums": [*checksums, checksum(trainer)]}, f)
         return
     metrics = trainer.evaluate()
-    params = list(trainer.accelerator.unwrap_model(trainer.model).parameters())
-    gathered = contextlib.nullcontext()
-    if trainer.is_deepspeed_enabled:  # ZeRO-3 partitions the parameters: gather them to read them
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(params)
-    with gathered, torch.no_grad():
-        checksum = float(sum(p.double().sum() for p in params))
+    checksum_now = checksum(trainer)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "played": played,
-                   "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum,
+                   "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum_now,
                    "global_step": trainer.state.global_step, "estimated": ESTIMATED, "seen": seen}, f)
 
 

@@ -1,7 +1,11 @@
-"""A 4-iteration HGPO run that checkpoints every iteration: `python train_or_die.py OUT [kill_after=N] [resume=1]`.
+"""A 6-iteration HGPO run that checkpoints every iteration: `python train_or_die.py OUT [kill_after=N] [resume=1]`.
+
+4 tasks, 2 an iteration: a pass over them every 2 iterations, so a kill after iteration 3 falls in the second
+pass. 8 samples drawn from each iteration's steps (sub-sampling), trajectory dumps every iteration.
 
 kill_after=N: the process SIGKILLs itself right after checkpoint-N is saved (a real kill, mid-run).
-resume=1: continue from the latest checkpoint in OUT. At the end OUT/final.pt holds the parameters.
+resume=1: continue from the latest checkpoint in OUT. At the end OUT/final.pt holds the parameters (process 0's;
+also under `accelerate launch`, where every process kills itself after the same checkpoint).
 """
 
 import os
@@ -35,16 +39,17 @@ def main(out: str, extra: list[str]) -> None:
     options = dict(arg.split("=", 1) for arg in extra)
     tokenizer = build_tiny_tokenizer(keydoor_corpus())
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
-    args = HGPOConfig(output_dir=out, per_device_train_batch_size=64, num_generations=4, tasks_per_device=2,
+    args = HGPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=4, tasks_per_device=2,
                       max_completion_length=4, max_env_steps=5, action_mode="plain", invalid_action="noop",
-                      learning_rate=1e-2, train_iterations=4, logging_steps=1, report_to="none", use_cpu=True,
-                      save_strategy="steps", save_steps=1, seed=0, disable_tqdm=True)
+                      learning_rate=1e-2, train_iterations=6, logging_steps=1, report_to="none", use_cpu=True,
+                      save_every_iterations=1, seed=0, disable_tqdm=True, trajectory_dump_every=1, ddp_timeout=60)
     callbacks = [KillAfter(int(options["kill_after"]))] if "kill_after" in options else []
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, callbacks=callbacks,
-                          train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4))
+                          train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4).select(range(4)))
     trainer.train(resume_from_checkpoint=get_last_checkpoint(out) if options.get("resume") == "1" else None)
-    torch.save({name: p.detach().clone() for name, p in trainer.model.named_parameters()},
-               os.path.join(out, "final.pt"))
+    if trainer.accelerator.is_main_process:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        torch.save({name: p.detach().clone() for name, p in model.named_parameters()}, os.path.join(out, "final.pt"))
 
 
 if __name__ == "__main__":
