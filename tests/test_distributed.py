@@ -93,7 +93,7 @@ def test_non_finite_advantages_on_one_process_stop_every_process(tmp_path):
 
 def test_a_non_finite_loss_stops_every_process_before_deepspeed_steps(tmp_path):
     """Under DeepSpeed the optimizer steps inside the backward of a window's last micro-batch: the check must
-    come before it. Process 1's loss is NaN in the second optimizer step: both processes stop with the message,
+    come before it. Process 1's loss is infinite (its gradients finite) in the second optimizer step: both stop,
     the parameters those of the first step."""
     ranks = launch("zero3", tmp_path, 29619, "fault=nanloss")
     for rank in ranks:

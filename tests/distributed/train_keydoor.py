@@ -3,7 +3,7 @@
 
 fault=envs: every environment of process 1 fails its first reset (iteration 1), process 0's are healthy.
 fault=nan: process 1's advantages are NaN in iteration 1; each process writes the error it stopped with.
-fault=nanloss: process 1's loss is NaN in the second optimizer step; each process writes the error and the
+fault=nanloss: process 1's loss is infinite in the second optimizer step; each process writes the error and the
 parameter checksums after the first step and when it stopped.
 Collectives time out after 60 s (ddp_timeout), so a process left waiting fails the run instead of hanging.
 
@@ -123,7 +123,8 @@ def main(out: str, extra: list[str]) -> None:
     if options.get("fault") == "nanloss":
         def nan_loss_in_step_two(model, inputs):
             loss = compute(model, inputs)
-            return loss * float("nan") if trainer.state.global_step == 1 and PartialState().process_index == 1 else loss
+            # +inf with finite gradients: DeepSpeed would take the step (it skips only non-finite gradients)
+            return loss + float("inf") if trainer.state.global_step == 1 and PartialState().process_index == 1 else loss
 
         trainer._compute_loss = nan_loss_in_step_two
     else:
