@@ -64,6 +64,13 @@ class EnvArguments:
     tiny_hidden_size: int = field(default=64, metadata={"help": "model_name_or_path=tiny: hidden size."})
     tiny_num_layers: int = field(default=2, metadata={"help": "model_name_or_path=tiny: layers."})
     tiny_num_heads: int = field(default=4, metadata={"help": "model_name_or_path=tiny: attention heads."})
+    tiny_tokenizer: str | None = field(
+        default=None, metadata={"help": "model_name_or_path=tiny: a tokenizer folder (e.g. Qwen2.5's, to see what a "
+                                        "real Qwen model sees); None: a word-level tokenizer built from the "
+                                        "environment's texts (hgpo_trl.tiny.make_tiny)."})
+    tiny_vocab_rows: int | None = field(
+        default=None, metadata={"help": "model_name_or_path=tiny: embedding rows (Qwen2.5-0.5B-3B: 151936, 7B: "
+                                        "152064); None: the tokenizer's size."})
     plots: bool = field(default=True, metadata={"help": "Write PNG plots of the run to output_dir."})
     env_modules: list[str] = field(
         default_factory=list,
@@ -214,17 +221,12 @@ def load_tasks(args: HGPOConfig, env_args: EnvArguments, split: str | None, limi
 def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig, train_tasks):
     """(model, tokenizer): the offline tiny model built for the environment's vocabulary, or any hub id/path."""
     if model_args.model_name_or_path == TINY:
-        from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
-        from hgpo_trl.warmstart import environment_corpus
+        from hgpo_trl.tiny import make_tiny
 
-        env = make_env(args.env_name, **(args.env_kwargs or {}))
-        tokenizer = build_tiny_tokenizer(environment_corpus(env, list(train_tasks),
-                                                            history_length=args.history_length,
-                                                            max_steps=args.max_env_steps))
-        model = build_tiny_model(tokenizer, hidden_size=env_args.tiny_hidden_size,
-                                 num_layers=env_args.tiny_num_layers, num_heads=env_args.tiny_num_heads,
-                                 seed=args.seed)
-        return model, tokenizer
+        return make_tiny(args.env_name, list(train_tasks), tokenizer=env_args.tiny_tokenizer,
+                         env_kwargs=args.env_kwargs, history_length=args.history_length, max_steps=args.max_env_steps,
+                         hidden_size=env_args.tiny_hidden_size, num_layers=env_args.tiny_num_layers,
+                         num_heads=env_args.tiny_num_heads, vocab_rows=env_args.tiny_vocab_rows, seed=args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"revision": model_args.model_revision, "trust_remote_code": args.trust_remote_code}

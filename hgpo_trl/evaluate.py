@@ -43,7 +43,7 @@ from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import default_num_workers, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
-from hgpo_trl.generation import encode_prompt, generate_completions
+from hgpo_trl.generation import encode_prompt, generate_completions, generation_settings
 from hgpo_trl.rollout import Completion, Episode, Policy, RolloutSettings, ScriptedPolicy, run_rollout
 from hgpo_trl.trajectories import TASK_TYPE_FIELDS, rollout_records, write_records
 
@@ -331,10 +331,8 @@ def model_policy(evaluation: Evaluation, settings: RolloutSettings) -> tuple[Mod
         model_config = model.config
         generate = hf_generator(model, tokenizer, args, evaluation.temperature)
         backend = "transformers"
-    context = getattr(model_config, "max_position_embeddings", None)
-    if settings.max_prompt_tokens is None and context and context > (args.max_completion_length or 0):
-        # As the trainer: prompts leave room for the completion.
-        settings = dataclasses.replace(settings, max_prompt_tokens=context - (args.max_completion_length or 0))
+    settings = generation_settings(settings, tokenizer, model_config,
+                                   args.vllm_max_model_length if backend == "vllm" else None, args.max_completion_length)
     return ModelPolicy(tokenizer, generate, args.chat_template_kwargs), settings, backend
 
 

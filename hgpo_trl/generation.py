@@ -1,7 +1,8 @@
 """Prompt encoding and transformers generation shared by the trainer's rollouts and `hgpo-eval`, so that both
 play the same prompts and cut the same completions."""
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -54,3 +55,31 @@ def prompt_budget(max_position_embeddings: int | None, vllm_max_model_length: in
     context = vllm_max_model_length or max_position_embeddings
     completion = max_completion_length or 0
     return context - completion if context and context > completion else None
+
+
+def control_text_guard(tokenizer) -> Callable[[str], str]:
+    """A function that keeps text from spelling one of `tokenizer`'s added tokens (Qwen's `<|im_end|>`,
+    `<|im_start|>`, `<|endoftext|>`; Qwen3's `<think>` and `</think>`): each occurrence gets a space after its
+    first character, so it tokenizes as text. Environment text (observations, the task, admissible actions) and
+    the memory pass through it before a prompt is rendered: an observation that says `<|im_end|>` must not end
+    the user turn. The format instruction and the environment's own template are not passed through: their tags
+    are meant. Whitespace-only added tokens (the tiny tokenizer's newline) are left alone."""
+    added = {token.content for token in tokenizer.added_tokens_decoder.values() if token.content.strip()}
+    if not added:
+        return lambda text: text
+    pattern = re.compile("|".join(re.escape(token) for token in sorted(added, key=len, reverse=True)))
+    return lambda text: pattern.sub(lambda match: f"{match[0][0]} {match[0][1:]}", text)
+
+
+def generation_settings(settings, tokenizer, model_config, vllm_max_model_length: int | None,
+                        max_completion_length: int | None):
+    """`settings` (RolloutSettings) for playing with `tokenizer` and this model: environment text guarded
+    against spelling control tokens, and, when no max_prompt_tokens was set, prompts fitted to the generator's
+    context minus the completion. The trainer and hgpo-eval both play with these, so they play the same prompts."""
+    import dataclasses
+
+    budget = settings.max_prompt_tokens
+    if budget is None:
+        budget = prompt_budget(getattr(model_config, "max_position_embeddings", None), vllm_max_model_length,
+                               max_completion_length)
+    return dataclasses.replace(settings, max_prompt_tokens=budget, escape_text=control_text_guard(tokenizer))

@@ -93,6 +93,8 @@ class RolloutSettings:
     admissible_only: bool = False  # an action outside the admissible list counts as invalid
     format_instruction: str | None = None  # None: the action mode's default instruction
     max_prompt_tokens: int | None = None  # prompt budget (memory.fit_prompt); needs run_rollout's count_tokens
+    # Applied to environment text and the memory before a prompt is rendered (generation.control_text_guard).
+    escape_text: Callable[[str], str] | None = None
 
     def __post_init__(self) -> None:
         if self.action_mode not in ACTION_MODES:
@@ -180,6 +182,7 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
         if on_episode_end is not None:
             on_episode_end(episodes[i])
 
+    escape = settings.escape_text or (lambda text: text)
     for i, result in enumerate(resets):
         if result.fault is not None:
             episodes[i].fault = result.fault
@@ -193,9 +196,9 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
         admissible = {i: [a.strip().lower() for a in infos[i].get("admissible_actions", [])] for i in active}
         prompts, fitted = [], []
         for i in active:
-            arguments = (partial(envs.render_prompt, i), task_texts[i], memories[i], observations[i],
-                         infos[i].get("admissible_actions", []), episodes[i].steps, settings.history_length,
-                         settings.format_instruction)
+            arguments = (partial(envs.render_prompt, i), escape(task_texts[i]), memories[i], escape(observations[i]),
+                         [escape(a) for a in infos[i].get("admissible_actions", [])], episodes[i].steps,
+                         settings.history_length, settings.format_instruction)
             if settings.max_prompt_tokens is None:
                 text, pairs = build_prompt(*arguments)
                 fit = FittedPrompt(text, pairs, 0, 0, 0, False)  # no budget: nothing counted, nothing cut
@@ -229,7 +232,7 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
                                       reward=float(result.reward), shown_history=fit.shown_history,
                                       history_cut=fit.history_dropped > 0, observation_cut=fit.observation_cut,
                                       over_budget=fit.over_budget))
-            memories[i].add(observations[i], action if action is not None else invalid_tail(completion.text))
+            memories[i].add(escape(observations[i]), escape(action if action is not None else invalid_tail(completion.text)))
             episode.steps += 1
             episode.total_reward += float(result.reward)
             episode.invalid += action is None

@@ -1,5 +1,12 @@
 """A tiny causal LM and word-level tokenizer built fully offline, for tests, CPU quickstarts and docs.
 
+    from hgpo_trl.tiny import make_tiny
+    model, tokenizer = make_tiny("keydoor", make_tasks("keydoor", "train"))             # word-level tokenizer
+    model, tokenizer = make_tiny("alfworld", tasks, tokenizer="path/to/qwen2.5-tokenizer", vocab_rows=151936)
+
+`make_tiny` is the one way to get a tiny model for an environment (train.py's `model_name_or_path: tiny`, with
+`tiny_tokenizer` / `tiny_vocab_rows`, calls it). The pieces:
+
     from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
 
     tokenizer = build_tiny_tokenizer(["You are in the kitchen.", "go to hall"])
@@ -13,8 +20,9 @@ single spaces. Hence ``decode(encode("go to hall")) == "go to hall"``, while
 ``re.search(r"<action>(.*?)</action>", text)`` followed by ``strip()`` still parses as ``"go to hall"``.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -73,11 +81,16 @@ def build_tiny_model(
     num_heads: int = 4,
     seed: int = 0,
     max_position_embeddings: int = 512,
+    vocab_rows: int | None = None,
 ) -> Qwen2ForCausalLM:
-    """A randomly initialised float32 Qwen2 model sized for `tokenizer`, deterministic in `seed`."""
+    """A randomly initialised float32 Qwen2 model sized for `tokenizer`, deterministic in `seed`. `vocab_rows`:
+    embedding rows, at least len(tokenizer) (real Qwen2.5 checkpoints have more rows than tokens: 151,936 for
+    0.5B-3B, 152,064 for 7B); default len(tokenizer)."""
+    if vocab_rows is not None and vocab_rows < len(tokenizer):
+        raise ValueError(f"vocab_rows ({vocab_rows}) must be at least the tokenizer's {len(tokenizer)} tokens")
     config = Qwen2Config(
         # len() counts the added tag tokens; tokenizer.vocab_size does not.
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_rows or len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers,
@@ -110,3 +123,48 @@ def save_tiny(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, direc
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_tiny(env_name: str, tasks: Sequence[Mapping[str, Any]] = (), *, tokenizer: str | Path | None = None,
+              env_kwargs: Mapping[str, Any] | None = None, history_length: int = 2, max_steps: int = 8,
+              hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, vocab_rows: int | None = None,
+              max_position_embeddings: int | None = None, seed: int = 0) -> tuple[Qwen2ForCausalLM, Any]:
+    """(model, tokenizer): a tiny Qwen2-architecture model for environment `env_name`, offline.
+
+    `tokenizer=None` trains a word-level tokenizer on the texts of random episodes of `tasks` (prompts,
+    admissible actions, observations; needs `tasks`). A folder (or a loaded tokenizer) uses that tokenizer, e.g.
+    Qwen2.5's byte-level BPE, so the model sees what a real Qwen model sees; give it `vocab_rows=151936` to be
+    shaped like Qwen2.5-0.5B-3B's embeddings. `max_position_embeddings`: default 512 for the word-level
+    tokenizer (its prompts are short) and 32768, Qwen2.5's, for a given one.
+    """
+    if tokenizer is None:
+        from hgpo_trl.envs import make_env
+        from hgpo_trl.warmstart import environment_corpus
+
+        if not tasks:
+            raise ValueError("make_tiny without a tokenizer builds a word-level one from the environment's texts: "
+                             "pass the tasks to play")
+        env = make_env(env_name, **(env_kwargs or {}))
+        try:
+            tok = build_tiny_tokenizer(environment_corpus(env, list(tasks), history_length=history_length,
+                                                          max_steps=max_steps))
+        finally:
+            env.close()
+        context = max_position_embeddings or 512
+    else:
+        tok = tokenizer if not isinstance(tokenizer, str | Path) else load_tokenizer_folder(tokenizer)
+        context = max_position_embeddings or 32768
+    model = build_tiny_model(tok, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads, seed=seed,
+                             max_position_embeddings=context, vocab_rows=vocab_rows)
+    return model, tok
+
+
+def load_tokenizer_folder(folder: str | Path):
+    """A tokenizer saved in `folder` (tokenizer.json / tokenizer_config.json), offline; a clear error otherwise."""
+    from transformers import AutoTokenizer
+
+    path = Path(folder).expanduser()
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        raise ValueError(f"tiny_tokenizer: {path} is not a tokenizer folder (no tokenizer.json or "
+                         "tokenizer_config.json there)")
+    return AutoTokenizer.from_pretrained(str(path))

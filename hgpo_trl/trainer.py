@@ -12,7 +12,6 @@ schedule, checkpoints and `evaluate`.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import os
 import time
@@ -46,7 +45,7 @@ from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.generation import (
     encode_prompt,
     generate_completions,
-    prompt_budget,
+    generation_settings,
     prompts_per_call,
     slices_by_position,
 )
@@ -131,12 +130,9 @@ class HGPOTrainer(GRPOTrainer):
             if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
                 callback.logging_dir = os.path.join(args.output_dir, default_logdir())
         self.env_factory = env_factory or partial(make_env, args.env_name, **(args.env_kwargs or {}))
-        self.rollout_settings = args.rollout_settings()
-        if self.rollout_settings.max_prompt_tokens is None:
-            # Prompts must leave room for the completion: fit them to the context the generator has.
-            budget = prompt_budget(getattr(self.model.config, "max_position_embeddings", None),
-                                   args.vllm_max_model_length if args.use_vllm else None, args.max_completion_length)
-            self.rollout_settings = dataclasses.replace(self.rollout_settings, max_prompt_tokens=budget)
+        self.rollout_settings = generation_settings(args.rollout_settings(), self._tokenizer, self.model.config,
+                                                    args.vllm_max_model_length if args.use_vllm else None,
+                                                    args.max_completion_length)
         self._env_workers = args.env_workers
         if self._env_workers is None:  # a slow environment gets a worker pool sized to this process's cores
             fast = env_factory is not None or is_fast_env(args.env_name)
