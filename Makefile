@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
 
-.PHONY: test demo lint bench system-deps clean
+.PHONY: test demo lint bench system-deps clean gpu-wheels
 
 # One stamp per set of extras: `make test` after `make demo` adds what the tests need. The venv goes first on
 # PATH because fast-downward-textworld's build (alfworld) runs a bare `python build.py`.
@@ -53,3 +53,14 @@ lint: $(VENV)/.installed-$(TEST_EXTRAS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# The GPU check's packages as wheels for the GPU machine (Python 3.12, x86-64: it has torch, transformers, accelerate,
+# peft, pyarrow, pandas and tensorboard, not these), in .whl/, with hgpo-trl's own wheel: README "GPU check".
+GPU_PACKAGES := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bm25s==0.3.16 PyStemmer==3.1.0
+gpu-wheels: $(VENV)/.installed-$(TEST_EXTRAS)
+	rm -rf .whl && mkdir -p .whl
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_PACKAGES)
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --no-index -w .whl .
+	du -sh .whl
