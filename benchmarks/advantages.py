@@ -32,12 +32,12 @@ from tests import reference
 CASES = [
     ("grpo", {}),
     ("gigpo", {}),
-    ("hgpo K=2", {"history_length": 2}),
-    ("hgpo K=4", {"history_length": 4}),
-    ("hgpo K=4 inverse_mse", {"history_length": 4, "weighting": "inverse_mse"}),
-    ("hgpo K=4 base_group", {"history_length": 4, "base_group": True}),
-    ("progpo K=2", {"history_length": 2}),
-    ("progpo K=4", {"history_length": 4}),
+    ("hgpo K=2", {"depth": 2}),
+    ("hgpo K=4", {"depth": 4}),
+    ("hgpo K=4 inverse_mse", {"depth": 4, "weighting": "inverse_mse"}),
+    ("hgpo K=4 base_group", {"depth": 4, "base_group": True}),
+    ("progpo K=2", {"depth": 2}),
+    ("progpo K=4", {"depth": 4}),
 ]
 
 

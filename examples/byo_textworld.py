@@ -220,7 +220,7 @@ trainer.save_model(str(OUTPUT))
 batch = estimator_calls[-1]
 print(f"{len(estimator_calls)} calls; the last: {len(batch)} steps of {len(set(batch.traj))} episodes")
 print("turn_baseline:", np.round(compute_advantages("turn_baseline", batch)[:8], 2))
-print("hgpo:         ", np.round(compute_advantages("hgpo", batch, history_length=2)[:8], 2))
+print("hgpo:         ", np.round(compute_advantages("hgpo", batch, depth=2)[:8], 2))
 
 # %% [markdown]
 # ## 5. Evaluate like the built-in environments

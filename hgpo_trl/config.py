@@ -348,14 +348,14 @@ class HGPOConfig(GRPOConfig):
         episode = {"episode_stats": self.episode_stats, "std_ddof": self.std_ddof}
         return {"grpo": {"estimator": "grpo", **episode},
                 "gigpo": {"estimator": "gigpo", "omega": self.omega, **episode},
-                "hgpo": {"estimator": "hgpo", "history_length": self.depth, "alpha": self.alpha,
+                "hgpo": {"estimator": "hgpo", "depth": self.depth, "alpha": self.alpha,
                          "weighting": self.weighting, "base_group": self.base_group,
                          "drop_zero_items": self.drop_zero_items, **episode}}
 
     def estimator_options(self) -> dict[str, Any]:
         """The keyword options of `estimator`, from this config's fields."""
         candidates = {
-            "gamma": self.gamma, "history_length": self.depth, "alpha": self.alpha, "norm": self.advantage_norm,
+            "gamma": self.gamma, "depth": self.depth, "alpha": self.alpha, "norm": self.advantage_norm,
             "weighting": self.weighting, "base_group": self.base_group, "drop_zero_items": self.drop_zero_items,
             "omega": self.omega, "episode_stats": self.episode_stats, "std_ddof": self.std_ddof,
             "invalid_penalty": self.invalid_penalty, "lam": self.progpo_lambda,

@@ -560,7 +560,7 @@ class HGPOTrainer(GRPOTrainer):
         every = self.args.diagnostics_every
         levels = None
         if self.args.estimator == "hgpo":
-            levels = hgpo_level_stats(batch, history_length=self.args.depth)
+            levels = hgpo_level_stats(batch, depth=self.args.depth)
             self.last_level_stats = levels if rollout.steps else self.last_level_stats
         local = iteration_metrics(rollout, batch, advantages, samples, self.args, levels,
                                   eos_token_ids=self.eos_token_ids,

@@ -113,7 +113,7 @@ def group_members(keys: dict) -> dict:
     return members
 
 
-def hgpo(batch, gamma=0.95, history_length=2, alpha=1.0, norm="mean_std_norm", weighting="power",
+def hgpo(batch, gamma=0.95, depth=2, alpha=1.0, norm="mean_std_norm", weighting="power",
          base_group=False, drop_zero_items=False, episode_stats="trajectories", std_ddof=0, invalid_penalty=0.1):
     rows = rows_of(batch)
     by_traj = trajectories(rows)
@@ -132,7 +132,7 @@ def hgpo(batch, gamma=0.95, history_length=2, alpha=1.0, norm="mean_std_norm", w
         return sum((v - m) ** 2 for v in values) / len(values)
 
     levels = []  # per level: (advantages, members by key, keys)
-    for k in range(history_length + 1):
+    for k in range(depth + 1):
         keys = {}
         for r in rows:
             key = level_key(r, by_traj, k)
@@ -178,7 +178,7 @@ def semantic(obs):
     return " ".join(re.sub(r"\d+", "", obs.lower()).split())
 
 
-def progpo(batch, gamma=0.95, history_length=2, lam=1.0, norm="mean_std_norm", invalid_penalty=0.1,
+def progpo(batch, gamma=0.95, depth=2, lam=1.0, norm="mean_std_norm", invalid_penalty=0.1,
            state_key=None):
     rows = rows_of(batch)
     by_traj = trajectories(rows)
@@ -200,7 +200,7 @@ def progpo(batch, gamma=0.95, history_length=2, lam=1.0, norm="mean_std_norm", i
         return sum((v - m) ** 2 for v in values) / len(values)
 
     depth_groups = []  # per depth d: row index -> pooled key, and key -> member row indices
-    for d in range(history_length + 1):
+    for d in range(depth + 1):
         keys = {}
         for r in rows:
             key = level_key(r, by_traj, d)

@@ -80,13 +80,13 @@ def test_hgpo_blends_levels_with_power_weights():
     # T3, T4: (2 * -1.5 + 3 * 0) / 5 = -0.6.
     # Step 0 has level 0 only: obs a = {10, 0} -> +5, -5; obs b = {2, 2} -> 0.
     batch = make_batch(ALIASED)
-    adv = compute_advantages("hgpo", batch, gamma=1.0, history_length=1, alpha=1.0, norm="mean_norm")
+    adv = compute_advantages("hgpo", batch, gamma=1.0, depth=1, alpha=1.0, norm="mean_norm")
     np.testing.assert_allclose(adv, [5, 5.6, -5, -4.4, 0, -0.6, 0, -0.6], rtol=0, atol=1e-12)
 
 
 def test_hgpo_uniform_weights_base_group_and_released_zero_filter():
     batch = make_batch(ALIASED)
-    kw = dict(gamma=1.0, history_length=1, norm="mean_norm")
+    kw = dict(gamma=1.0, depth=1, norm="mean_norm")
     # alpha 0: plain mean of the items. T1 step 1: (6.5 + 5) / 2 = 5.75.
     assert compute_advantages("hgpo", batch, alpha=0.0, **kw)[1] == pytest.approx(5.75, abs=1e-12)
     # base_group: episode scores {10, 0, 2, 2}, mean 3.5 -> base items 6.5, -3.5, -1.5, -1.5, weight 1.
@@ -105,14 +105,14 @@ def test_hgpo_inverse_mse_weights():
     # T3 step 1: level 1 {2, 2}: mean 2, var 0 floored to 3.6875, n 2 -> w1 = 32 / 59; w0 = 1 / (1.5^2 + 3.6875) = 16/95.
     #   A = (-1.5 * 16/95 + 0) / (16/95 + 32/59) = -1416 / 3984.
     batch = make_batch(ALIASED)
-    adv = compute_advantages("hgpo", batch, gamma=1.0, history_length=1, norm="mean_norm", weighting="inverse_mse")
+    adv = compute_advantages("hgpo", batch, gamma=1.0, depth=1, norm="mean_norm", weighting="inverse_mse")
     assert adv[1] == pytest.approx(710 / 118, abs=1e-12)
     assert adv[5] == pytest.approx(-1416 / 3984, abs=1e-12)
 
 
 def test_hgpo_level_stats():
     # Level 0: groups {a: 2, b: 2, h: 4} -> 8 steps with peers; level 1 (t >= 1, 4 steps): (a, h) 2, (b, h) 2.
-    stats = hgpo_level_stats(make_batch(ALIASED), history_length=2)
+    stats = hgpo_level_stats(make_batch(ALIASED), depth=2)
     assert [(s.level, s.eligible, s.with_peers) for s in stats] == [(0, 8, 8), (1, 4, 4), (2, 0, 0)]
     assert stats[0].group_sizes.tolist() == [0, 0, 2, 0, 1]
     assert stats[1].group_sizes.tolist() == [0, 0, 2]
@@ -123,7 +123,7 @@ def test_hgpo_window_caps_levels():
     base = make_batch(ALIASED)
     window = [0, 0, 1, 1, 1, 1, 1, 1]
     batch = StepBatch(base.group, base.traj, base.step, base.obs, base.reward, base.valid, window=window)
-    adv = compute_advantages("hgpo", batch, gamma=1.0, history_length=1, norm="mean_norm")
+    adv = compute_advantages("hgpo", batch, gamma=1.0, depth=1, norm="mean_norm")
     # T2 step 1 is now alone at level 1 (its peer T1 is not there): level 0 only -> -3.5.
     assert adv[1] == pytest.approx(6.5) and adv[3] == pytest.approx(-3.5) and adv[5] == pytest.approx(-0.6)
 
@@ -136,7 +136,7 @@ def test_progpo_peer_and_transition_credit():
     # C = r + V(next) - V: T1 = [0 + 0 - 0, 10 + 0 - 0] = [0, 10]; T2 = [0 + 10 - 10, 0 + 0 - 10] = [0, -10].
     # A = A_peer + C: T1 = [5, 15], T2 = [-5, -15].
     batch = make_batch([(["s", "u"], [0, 10], [True, True], ["x", "y"]), (["s", "u"], [0, 0], [True, True], ["x", "z"])])
-    adv = compute_advantages("progpo", batch, gamma=1.0, history_length=0, norm="mean_norm")
+    adv = compute_advantages("progpo", batch, gamma=1.0, depth=0, norm="mean_norm")
     np.testing.assert_allclose(adv, [5, 15, -5, -15], rtol=0, atol=1e-12)
 
 
@@ -144,10 +144,10 @@ def test_progpo_semantic_pooling_is_for_potentials_only():
     # "Cabinet 1" and "cabinet 2" differ as anchors (no peer group: A_peer = 0) but pool as states:
     # V(T1) = 0 (T2's return), V(T2) = 10. One-step trajectories: C = r - V -> T1: 10 - 0, T2: 0 - 10.
     batch = make_batch([(["Cabinet 1"], [10]), (["cabinet  2"], [0])])
-    adv = compute_advantages("progpo", batch, gamma=1.0, history_length=0, norm="mean_norm")
+    adv = compute_advantages("progpo", batch, gamma=1.0, depth=0, norm="mean_norm")
     np.testing.assert_allclose(adv, [10, -10], rtol=0, atol=1e-12)
     # A user key that pools nothing: each state falls back on the task group's mean return, 5.
-    adv = compute_advantages("progpo", batch, gamma=1.0, history_length=0, norm="mean_norm", state_key=lambda o: o)
+    adv = compute_advantages("progpo", batch, gamma=1.0, depth=0, norm="mean_norm", state_key=lambda o: o)
     np.testing.assert_allclose(adv, [5, -5], rtol=0, atol=1e-12)
 
 

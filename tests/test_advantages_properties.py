@@ -73,7 +73,7 @@ def test_gigpo_matches_reference(batch, norm, gamma, omega, stats, ddof):
        st.sampled_from([0.0, 1.0, 2.0, 7.5]), st.sampled_from(["power", "inverse_mse"]), st.booleans(), st.booleans(),
        episode_stats, ddofs)
 def test_hgpo_matches_reference(batch, norm, gamma, k, alpha, weighting, base_group, drop_zero_items, stats, ddof):
-    assert_matches_reference("hgpo", batch, norm=norm, gamma=gamma, history_length=k, alpha=alpha,
+    assert_matches_reference("hgpo", batch, norm=norm, gamma=gamma, depth=k, alpha=alpha,
                              weighting=weighting, base_group=base_group, drop_zero_items=drop_zero_items,
                              episode_stats=stats, std_ddof=ddof)
 
@@ -81,7 +81,7 @@ def test_hgpo_matches_reference(batch, norm, gamma, k, alpha, weighting, base_gr
 @SETTINGS
 @given(step_batches(), norms, gammas, st.integers(0, 3), st.sampled_from([0.0, 1.0, 0.5]))
 def test_progpo_matches_reference(batch, norm, gamma, k, lam):
-    assert_matches_reference("progpo", batch, norm=norm, gamma=gamma, history_length=k, lam=lam)
+    assert_matches_reference("progpo", batch, norm=norm, gamma=gamma, depth=k, lam=lam)
 
 
 @SETTINGS
@@ -98,7 +98,7 @@ def test_hgpo_with_k0_is_gigpo_step_term(batch, norm, gamma):
     # GiGPO = A_E + A_S and GRPO = A_E, so A_S = GiGPO - GRPO (population std in both).
     step_term = (compute_advantages("gigpo", batch, norm=norm, gamma=gamma)
                  - compute_advantages("grpo", batch, norm=norm))
-    hgpo = compute_advantages("hgpo", batch, norm=norm, gamma=gamma, history_length=0, alpha=3.0)
+    hgpo = compute_advantages("hgpo", batch, norm=norm, gamma=gamma, depth=0, alpha=3.0)
     np.testing.assert_allclose(hgpo, step_term, rtol=0, atol=1e-12)
 
 
@@ -120,7 +120,7 @@ def test_hgpo_large_alpha_is_the_deepest_contributing_level(batch, norm, k_max):
             if r["i"] in keys and len(members[keys[r["i"]]]) >= 2:
                 deepest = adv[r["i"]]
         want.append(deepest)
-    got = compute_advantages("hgpo", batch, norm=norm, history_length=k_max, alpha=1e4)
+    got = compute_advantages("hgpo", batch, norm=norm, depth=k_max, alpha=1e4)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
@@ -155,7 +155,7 @@ def test_all_equal_values_give_exactly_zero(batch, norm, c, k, stats, ddof):
     assert np.all(compute_advantages("grpo", episode_equal, norm=norm, **episode) == 0.0)
     # With gamma 0 and reward c at every step, every return is c: every anchor and level group is all-equal.
     returns_equal = StepBatch(batch.group, batch.traj, batch.step, batch.obs, [c] * len(batch), valid)
-    assert np.all(compute_advantages("hgpo", returns_equal, norm=norm, gamma=0.0, history_length=k, **episode) == 0.0)
+    assert np.all(compute_advantages("hgpo", returns_equal, norm=norm, gamma=0.0, depth=k, **episode) == 0.0)
     np.testing.assert_array_equal(compute_advantages("gigpo", returns_equal, norm=norm, gamma=0.0, **episode),
                                   compute_advantages("grpo", returns_equal, norm=norm, **episode))
 

@@ -91,7 +91,7 @@ def test_custom_estimator_received_the_rollouts_step_batches(tutorial):
     for batch, entry in zip(calls[:5], logged, strict=True):
         assert isinstance(batch, StepBatch) and len(batch) == entry["steps/collected"]
         assert set(batch.group) <= {0, 1, 2} and len(set(batch.traj)) == 12  # 3 games x 4 rollouts
-        compute_advantages("hgpo", batch, history_length=2)  # the batch the built-in estimators take
+        compute_advantages("hgpo", batch, depth=2)  # the batch the built-in estimators take
     advantages = compute_advantages("turn_baseline", calls[-1])
     first = [i for i, (g, t) in enumerate(zip(calls[-1].group, calls[-1].step, strict=True)) if g == 0 and t == 0]
     assert abs(sum(advantages[first])) < 1e-9  # the turn baseline centres each (task, t) cell

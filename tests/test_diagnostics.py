@@ -37,8 +37,8 @@ def test_a_history_no_other_step_shares_does_not_qualify():
 
 def test_bias_of_each_estimator_against_the_oracle():
     report = advantage_bias(batch(), {
-        "hgpo_deepest": {"estimator": "hgpo", "history_length": 2, "alpha": 1e3},
-        "hgpo_k0": {"estimator": "hgpo", "history_length": 0},
+        "hgpo_deepest": {"estimator": "hgpo", "depth": 2, "alpha": 1e3},
+        "hgpo_k0": {"estimator": "hgpo", "depth": 0},
         "grpo": {"estimator": "grpo"},
     }, gamma=1.0, norm="mean_norm", invalid_penalty=0.0)
     # HGPO's deepest level here is the whole history: it is the oracle.

@@ -69,7 +69,7 @@ def options_for(key: str, gamma: float) -> tuple[str, dict]:
     settings = dict(part.split("=") for part in parts if "=" in part)
     options = released_options(name)
     if name == "hgpo":
-        options.update(gamma=gamma, history_length=int(settings["K"]), norm=parts[1], alpha=float(settings["alpha"]),
+        options.update(gamma=gamma, depth=int(settings["K"]), norm=parts[1], alpha=float(settings["alpha"]),
                        base_group=settings["base_group"] == "True")
     elif name == "gigpo":
         options.update(gamma=gamma, norm=parts[0])  # step_advantage_w 1 = omega
@@ -178,7 +178,7 @@ def test_released_hgpo_with_invalid_steps_and_ties():
     #   rows 0, 2, 4 have no item -> 0.
     # With base: row 0 = row 2 = 2 and row 4 = -4 (the base alone); row 1 (4 + 0.15 + 2) / 6 = 1.025;
     #   row 3 (3.8 - 0.15 + 1.9) / 6 = 0.925; row 5 (2 * -3.9 - 3.9) / 3 = -3.9.
-    kw = {**released_options("hgpo"), "gamma": 0.5, "history_length": 1, "alpha": 1.0}
+    kw = {**released_options("hgpo"), "gamma": 0.5, "depth": 1, "alpha": 1.0}
     np.testing.assert_allclose(compute_advantages("hgpo", INVALID, norm="mean_norm", **kw),
                                [0, 0.83, 0, 0.73, 0, -3.9], rtol=0, atol=1e-12)
     np.testing.assert_allclose(compute_advantages("hgpo", INVALID, norm="mean_norm", base_group=True, **kw),
@@ -202,7 +202,7 @@ def test_zero_item_filter_on_ties():
     # Level 0, step 1: u = {0, 2, 3, 3}, mean 2 -> -2, 0 (T2 exactly at the mean), +1, +1.
     # Level 1: (s, u) = {0, 2} -> -1, +1; (t, u) = {3, 3} all equal -> 0, 0.
     # Weights (alpha 1): level 0: 2, level 1: 3.
-    kw = {"gamma": 1.0, "history_length": 1, "alpha": 1.0, "norm": "mean_norm"}
+    kw = {"gamma": 1.0, "depth": 1, "alpha": 1.0, "norm": "mean_norm"}
     # Kept (ours): T1 s1 (2 * -2 + 3 * -1) / 5 = -1.4; T2 s1 (0 + 3) / 5 = 0.6; T3, T4 s1 (2 + 0) / 5 = 0.4.
     np.testing.assert_allclose(compute_advantages("hgpo", TIES, **kw),
                                [-1, -1.4, 1, 0.6, 0, 0.4, 0, 0.4], rtol=0, atol=1e-12)

@@ -138,7 +138,7 @@ def test_aliased_vault_mixes_contexts_that_hgpo_separates():
     assert len({r.observation for r in vault}) == 1 and sorted(r.reward for r in vault) == [3.0, 3.0, 10.0, 10.0]
     batch = rollout.step_batch()
     gigpo_step = compute_advantages("gigpo", batch, norm="mean_norm") - compute_advantages("grpo", batch, norm="mean_norm")
-    hgpo = compute_advantages("hgpo", batch, norm="mean_norm", history_length=2, alpha=1e3)
+    hgpo = compute_advantages("hgpo", batch, norm="mean_norm", depth=2, alpha=1e3)
     vault_rows = [i for i, r in enumerate(rollout.steps) if r.step == 3]
     # GiGPO's anchor group at the vault mixes 10 and 3 (+-3.5); HGPO's level-2 groups are consistent (0).
     assert np.allclose(np.abs(gigpo_step[vault_rows]), 3.5) and np.allclose(hgpo[vault_rows], 0.0, atol=1e-9)

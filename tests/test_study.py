@@ -95,7 +95,7 @@ def test_the_study_runs_the_librarys_own_estimators(monkeypatch):
     # The study's numbers are those of direct compute_advantages calls on the same batch...
     table = step_table([TASK], keydoor_policy(0.5, 0.7), 0.95)
     batch, _ = sample_batch(table, 8, np.random.default_rng(1))
-    direct = compute_advantages("hgpo", batch, gamma=0.95, norm="mean_norm", history_length=2, alpha=1.0)
+    direct = compute_advantages("hgpo", batch, gamma=0.95, norm="mean_norm", depth=2, alpha=1.0)
     np.testing.assert_array_equal(estimate(batch, "hgpo K=2 alpha=1", 0.95), direct)
     # ...and replacing the registry's functions replaces them: stubs answering 0 give the zero estimator's errors.
     for name in ("grpo", "gigpo", "hgpo", "progpo"):

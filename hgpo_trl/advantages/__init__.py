@@ -1,7 +1,7 @@
 """Step-level advantage estimators: pure numpy functions of a `StepBatch` (no torch, no trainer state).
 
     from hgpo_trl.advantages import StepBatch, compute_advantages
-    adv = compute_advantages("hgpo", batch, gamma=0.95, history_length=2, alpha=1.0)
+    adv = compute_advantages("hgpo", batch, gamma=0.95, depth=2, alpha=1.0)
 
 Estimators by name: "grpo", "gigpo", "hgpo", "progpo", and any added with `register_estimator`.
 `released_options(name)` gives the options that reproduce the released verl-agent code for grpo, gigpo and hgpo.

@@ -45,24 +45,24 @@ def history_levels(steps: SortedSteps, obs: np.ndarray, depth: int) -> list[Grou
     return Groups.nested(columns, members)
 
 
-def check_level_args(history_length: int, alpha: float, norm: str, weighting: str) -> None:
+def check_level_args(depth: int, alpha: float, norm: str, weighting: str) -> None:
     check_norm(norm)
-    if isinstance(history_length, bool) or not isinstance(history_length, int | np.integer) or history_length < 0:
-        raise ValueError(f"history_length must be an integer >= 0, got {history_length!r}")
+    if isinstance(depth, bool) or not isinstance(depth, int | np.integer) or depth < 0:
+        raise ValueError(f"depth must be an integer >= 0, got {depth!r}")
     if not (np.isfinite(alpha) and alpha >= 0):
         raise ValueError(f"alpha must be finite and >= 0, got {alpha}")
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
 
 
-def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: int = 2, alpha: float = 1.0,
+def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, alpha: float = 1.0,
                     norm: str = "mean_std_norm", weighting: str = "power", base_group: bool = False,
                     drop_zero_items: bool = False, episode_stats: str = "trajectories", std_ddof: int = 0,
                     invalid_penalty: float = 0.1) -> np.ndarray:
     """HGPO advantages: `A = sum_k w_k a_k / sum_k w_k` over the levels k = 0..K where the step has a peer.
 
     Args:
-        history_length: K, the deepest level (defaults to the prompt's memory window H in the trainer).
+        depth: K, the deepest level (defaults to the prompt's memory window H in the trainer).
         alpha: `weighting="power"` uses `w_k = (k+2)^alpha` as released (0: uniform; large: deepest level).
         weighting: "power", or "inverse_mse" (beyond the paper): `w_k ∝ 1 / (bhat_k^2 + s_k^2 / n_k)` with
             `bhat_k` the gap between the level-k mean and the deepest contributing level's mean (a bias proxy)
@@ -80,24 +80,24 @@ def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: in
     exact 0; a step with no contributing item gets 0. Weights are computed relative to each step's deepest
     contributing level, so a large alpha neither overflows nor underflows.
     """
-    check_level_args(history_length, alpha, norm, weighting)
+    check_level_args(depth, alpha, norm, weighting)
     check_episode_stats(episode_stats)
     check_ddof(std_ddof)
     steps = sort_steps(batch)
     returns = sorted_returns(steps, gamma, invalid_penalty)
-    levels = Groups.stack(history_levels(steps, steps.obs, history_length))
-    per_level = (history_length + 1, len(steps))
-    stacked_returns = np.tile(returns, history_length + 1)
+    levels = Groups.stack(history_levels(steps, steps.obs, depth))
+    per_level = (depth + 1, len(steps))
+    stacked_returns = np.tile(returns, depth + 1)
     items = levels.normalize(stacked_returns, norm).reshape(per_level)
     on = (levels.size() >= 2).reshape(per_level)
     if drop_zero_items:
         on &= np.abs(items) > ZERO_TOLERANCE
-    depth = np.arange(history_length + 1)[:, None]
-    deepest = np.where(on, depth, 0).max(axis=0)
+    k = np.arange(depth + 1)[:, None]
+    deepest = np.where(on, k, 0).max(axis=0)
 
     if weighting == "power":
         # Levels deeper than a step's deepest contributing one are masked out below; clip them so exp stays finite.
-        weights = np.exp(alpha * np.minimum(np.log(depth + 2.0) - np.log(deepest + 2.0), 0.0))
+        weights = np.exp(alpha * np.minimum(np.log(k + 2.0) - np.log(deepest + 2.0), 0.0))
     else:
         task = Groups.of(steps.group)
         floor = np.maximum(VARIANCE_FLOOR_SHARE * task.variance(returns), TINY)
@@ -147,19 +147,19 @@ class LevelStats:
     group_sizes: np.ndarray
 
 
-def hgpo_level_stats(batch: StepBatch, history_length: int = 2) -> list[LevelStats]:
+def hgpo_level_stats(batch: StepBatch, depth: int = 2) -> list[LevelStats]:
     """Per level k = 0..K: how many steps had peers and the group-size histogram (for logging)."""
-    check_level_args(history_length, 0.0, "mean_norm", "power")
+    check_level_args(depth, 0.0, "mean_norm", "power")
     steps = sort_steps(batch)
     return [LevelStats(level=k, eligible=int(level.order.size), with_peers=int((level.size() >= 2).sum()),
                        group_sizes=np.bincount(level.sizes, minlength=2))
-            for k, level in enumerate(history_levels(steps, steps.obs, history_length))]
+            for k, level in enumerate(history_levels(steps, steps.obs, depth))]
 
 
-def hgpo_peer_levels(batch: StepBatch, history_length: int = 2) -> np.ndarray:
+def hgpo_peer_levels(batch: StepBatch, depth: int = 2) -> np.ndarray:
     """(N, K+1) booleans in the batch's row order: whether the step's level-k group holds another step, i.e. the
     levels that contribute to its HGPO advantage (trajectory dumps)."""
-    check_level_args(history_length, 0.0, "mean_norm", "power")
+    check_level_args(depth, 0.0, "mean_norm", "power")
     steps = sort_steps(batch)
-    levels = history_levels(steps, steps.obs, history_length)
+    levels = history_levels(steps, steps.obs, depth)
     return steps.unsort(np.stack([level.size() >= 2 for level in levels], axis=1))

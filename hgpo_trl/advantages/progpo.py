@@ -76,13 +76,13 @@ def pooled_states(steps: SortedSteps, obs: Sequence[Hashable], state_key: Callab
     return pooled[ids]
 
 
-def progpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: int = 2, lam: float = 1.0,
+def progpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, lam: float = 1.0,
                       norm: str = "mean_std_norm", invalid_penalty: float = 0.1,
                       state_key: Callable[[Hashable], Hashable] | None = None) -> np.ndarray:
     """ProGPO advantages `A_t = A_peer + lam * C_t` (our reading of the abstract; see the module docstring).
 
     Args:
-        history_length: the deepest history depth K at which state potentials are estimated.
+        depth: the deepest history depth K at which state potentials are estimated.
         lam: weight of the transition credit C_t.
         state_key: maps an anchor observation to the key under which potentials pool states
             (default `semantic_key`: lower case, object indices removed, whitespace folded).
@@ -90,7 +90,7 @@ def progpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: 
     `V = 0` after a trajectory's last step, whether it terminated or was truncated: the batch holds no
     observation after the last step to estimate a potential from.
     """
-    check_level_args(history_length, 0.0, norm, "power")
+    check_level_args(depth, 0.0, norm, "power")
     if not np.isfinite(lam):
         raise ValueError(f"lam must be finite, got {lam}")
     if batch.action is None:
@@ -99,7 +99,7 @@ def progpo_advantages(batch: StepBatch, *, gamma: float = 0.95, history_length: 
     returns = sorted_returns(steps, gamma, invalid_penalty)
     peer = Groups.of(prefix_keys(steps, codes(steps.take(batch.action), "action"))).normalize(returns, norm)
     pooled = pooled_states(steps, batch.obs, state_key or semantic_key)
-    potential = state_potentials(steps, returns, history_length, pooled)
+    potential = state_potentials(steps, returns, depth, pooled)
     next_potential = np.where(steps.next_in_traj(), np.r_[potential[1:], 0.0], 0.0)
     reward = steps.reward - invalid_penalty * ~steps.valid
     credit = reward + gamma * next_potential - potential

@@ -41,13 +41,13 @@ from hgpo_trl.advantages import StepBatch, compute_advantages
 ESTIMATOR_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "grpo": ("grpo", {}),
     "gigpo (A_E + A_S)": ("gigpo", {}),
-    "hgpo K=0 (= GiGPO A_S)": ("hgpo", {"history_length": 0}),
-    **{f"hgpo K={k} alpha={a}": ("hgpo", {"history_length": k, "alpha": float(a)})
+    "hgpo K=0 (= GiGPO A_S)": ("hgpo", {"depth": 0}),
+    **{f"hgpo K={k} alpha={a}": ("hgpo", {"depth": k, "alpha": float(a)})
        for k in (1, 2, 4) for a in (0, 1, 2)},
-    "hgpo K=2 inverse_mse": ("hgpo", {"history_length": 2, "weighting": "inverse_mse"}),
-    "progpo K=2": ("progpo", {"history_length": 2}),
+    "hgpo K=2 inverse_mse": ("hgpo", {"depth": 2, "weighting": "inverse_mse"}),
+    "progpo K=2": ("progpo", {"depth": 2}),
     # lam = 0 leaves ProGPO's exact-prefix peer term alone: the paper's oracle groups, as a reference row.
-    "progpo K=2 lam=0 (oracle groups)": ("progpo", {"history_length": 2, "lam": 0.0}),
+    "progpo K=2 lam=0 (oracle groups)": ("progpo", {"depth": 2, "lam": 0.0}),
 }
 
 
