@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch (a bare `torch` requirement can resolve to a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
-TEST_EXTRAS ?= dev,deepspeed,alfworld
+TEST_EXTRAS ?= dev,deepspeed,alfworld,textarena,gymnasium
 DEMO_EXTRAS ?= dev
 
 export OMP_NUM_THREADS ?= 1

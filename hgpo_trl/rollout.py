@@ -62,10 +62,11 @@ class StepRecord:
     history_cut: bool = False  # the prompt dropped history to fit the context: HGPO caps the step's levels
     observation_cut: int = 0  # characters cut from the middle of the observation to fit the context
     over_budget: bool = False  # the prompt is over max_prompt_tokens even with nothing left to cut
+    rejected: bool = False  # the environment refused the action as an invalid move (its info["invalid_move"])
 
     @property
     def valid(self) -> bool:
-        return self.action is not None
+        return self.action is not None and not self.rejected
 
 
 @dataclass
@@ -225,17 +226,19 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
         for i, fit, completion in zip(active, fitted, completions, strict=True):
             episode, action = episodes[i], actions[i]
             result = results.get(i)
+            # The game's own rules refused a well-formed action (a TextArena invalid move): an invalid step too.
+            rejected = action is not None and result is not None and bool(result.info.get("invalid_move", False))
             if result is None:  # an invalid output under end_episode: the episode ends as failed
                 result = StepResult(observations[i], 0.0, True, False, infos[i])
             records.append(StepRecord(group=episode.group, traj=i, step=episode.steps, observation=observations[i],
                                       prompt=fit.text, completion=completion, action=action,
                                       reward=float(result.reward), shown_history=fit.shown_history,
                                       history_cut=fit.history_dropped > 0, observation_cut=fit.observation_cut,
-                                      over_budget=fit.over_budget))
+                                      over_budget=fit.over_budget, rejected=rejected))
             memories[i].add(escape(observations[i]), escape(action if action is not None else invalid_tail(completion.text)))
             episode.steps += 1
             episode.total_reward += float(result.reward)
-            episode.invalid += action is None
+            episode.invalid += not records[-1].valid
             episode.won = episode.won or bool(result.info.get("won", False))
             if "score" in result.info:
                 episode.score = float(result.info["score"])

@@ -12,8 +12,10 @@ if not (Path(__file__).parent / "base.py").is_file():
 
 from hgpo_trl.envs.alfworld import AlfWorldEnv, alfworld_tasks
 from hgpo_trl.envs.base import Info, TextEnv
+from hgpo_trl.envs.gymnasium_env import GymnasiumEnv, gymnasium_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv, keydoor_tasks
 from hgpo_trl.envs.registry import make_env, make_tasks, register_env, registered_envs
+from hgpo_trl.envs.textarena_env import TextArenaEnv, textarena_tasks
 from hgpo_trl.envs.webshop import WebShopEnv, webshop_tasks
 
 __all__ = ["Info", "TextEnv", "make_env", "make_tasks", "register_env", "registered_envs"]
@@ -21,3 +23,7 @@ __all__ = ["Info", "TextEnv", "make_env", "make_tasks", "register_env", "registe
 register_env("keydoor", KeyDoorEnv, keydoor_tasks, fast=True)
 register_env("alfworld", AlfWorldEnv, alfworld_tasks, prompt_has_format=True)  # 0.1 s a step, 2-3 s a new game
 register_env("webshop", WebShopEnv, webshop_tasks, fast=True, prompt_has_format=True)  # generated shop: ~0.2 ms a step
+# Optional packages (extras textarena / gymnasium), imported when an environment is built. A fraction of a
+# millisecond a step for the games tried; one with a slow reset (Sokoban, RushHour) can be given env_workers.
+register_env("textarena", TextArenaEnv, textarena_tasks, fast=True)
+register_env("gymnasium", GymnasiumEnv, gymnasium_tasks, fast=True)

@@ -1,0 +1,203 @@
+"""Gymnasium environments through `make_env("gymnasium", env_id=...)`: gymnasium's own toy-text environments
+(FrozenLake, Taxi, CliffWalking) with their ansi frames and named Discrete actions, an environment of `spaces.Text`,
+seeded task groups, worker processes, bad input, and train.py's parsing of the environment by name."""
+
+import json
+import sys
+from functools import partial
+from typing import ClassVar
+
+import pytest
+
+pytest.importorskip("gymnasium", reason="the gymnasium extra is not installed: pip install 'hgpo-trl[gymnasium]'")
+
+import gymnasium
+from gymnasium import spaces
+
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.base import MissingExtraError
+from hgpo_trl.envs.gymnasium_env import clean_frame
+from hgpo_trl.envs.pool import WorkerPoolEnvs
+
+FROZEN_PATH = ["down", "down", "right", "right", "down", "right"]  # through the default 4x4 map's holes
+
+
+def play(env, seed, actions):
+    """(observation of reset, [step results]) along `actions`, up to the end of the episode."""
+    observation, _ = env.reset({"seed": seed})
+    results = []
+    for action in actions:
+        results.append(env.step(action))
+        if results[-1][2] or results[-1][3]:
+            break
+    return observation, results
+
+
+def test_frozen_lake_frames_name_the_agent_and_the_goal_is_a_win():
+    env = make_env("gymnasium", env_id="FrozenLake-v1", make_kwargs={"is_slippery": False})
+    start, results = play(env, 0, FROZEN_PATH)
+    assert start == "{S:red}FFF\nFHFH\nFFFH\nHFFG"  # the agent's tile in red; no ANSI codes, no action echo
+    assert [r[1] for r in results] == [0.0] * 5 + [1.0]
+    _, _, terminated, truncated, info = results[-1]
+    assert terminated and not truncated and info["won"] and info["score"] == 1.0
+    assert results[0][0] == "SFFF\n{F:red}HFH\nFFFH\nHFFG" and "(Down)" not in results[0][0]
+    _, info = env.reset({"seed": 0})
+    assert info["admissible_actions"] == ["left", "down", "right", "up"] and "goal G" in info["task"]
+    _, results = play(env, 0, ["right", "down"])  # into the hole at row 1: over, lost
+    assert results[-1][2] and not results[-1][4]["won"] and results[-1][4]["score"] == 0.0
+
+
+def test_slippery_ice_is_the_same_for_the_same_seed_and_differs_between_seeds():
+    env = make_env("gymnasium", env_id="FrozenLake-v1")
+    moves = ["right", "down"] * 10
+    runs = {seed: [r[0] for r in play(env, seed, moves)[1]] for seed in (1, 1, 2, 3)}
+    again = [r[0] for r in play(make_env("gymnasium", env_id="FrozenLake-v1"), 1, moves)[1]]
+    assert runs[1] == again and len({tuple(run) for run in runs.values()}) > 1
+
+
+def test_taxi_lists_only_the_actions_its_mask_allows_and_an_unknown_name_is_an_invalid_move():
+    env = make_env("gymnasium", env_id="Taxi-v4")
+    observation, info = env.reset({"seed": 3})
+    assert info["admissible_actions"] == ["south", "east"]  # Taxi's action_mask at this start
+    assert "{ :yellow}" in observation and "{R:blue}" in observation and "{Y:magenta}" in observation
+    again, reward, terminated, _, info = env.step("Fly ")
+    assert again == observation and reward == 0.0 and not terminated
+    assert info["invalid_move"] and info["invalid_reason"].startswith("unknown action 'Fly '")
+    _, reward, _, _, info = env.step(" Pickup")  # names are read stripped and lower-cased; a wrong pickup costs 10
+    assert reward == -10.0 and not info["invalid_move"]
+    starts = {env.reset({"seed": seed})[0] for seed in range(6)}
+    assert len(starts) > 1 and env.reset({"seed": 3})[0] == observation  # seeds make the task groups
+
+
+def test_cliff_walking_sends_the_agent_back_and_the_goal_ends_it():
+    env = make_env("gymnasium", env_id="CliffWalking-v1", reward_scale=0.01, max_steps=20)
+    start, results = play(env, 0, ["right"])
+    assert results[0][0] == start and results[0][1] == -1.0 and not results[0][2]  # -100 x 0.01, back at start
+    _, results = play(env, 0, ["up", *["right"] * 11, "down"])
+    _, _, terminated, _, info = results[-1]
+    assert terminated and info["won"] and info["score"] == pytest.approx(-0.13) and len(results) == 13
+    _, results = play(env, 0, ["up"] * 25)  # our own step limit
+    assert len(results) == 20 and results[-1][3] and not results[-1][2] and not results[-1][4]["won"]
+
+
+class SecretWord(gymnasium.Env):
+    """A gymnasium.Env of text observations and actions: say the secret word, drawn from the seeded np_random."""
+
+    metadata: ClassVar[dict] = {"render_modes": []}
+    WORDS = ("apple", "river", "stone")
+
+    def __init__(self):
+        self.observation_space = spaces.Text(64, charset="abcdefghijklmnopqrstuvwxyz .")
+        self.action_space = spaces.Text(8, charset="abcdefghijklmnopqrstuvwxyz")
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.word = self.WORDS[self.np_random.integers(len(self.WORDS))]
+        return f"the secret starts with {self.word[0]}.", {}
+
+    def step(self, action):
+        won = action == self.word
+        return ("yes." if won else "no."), float(won), won, False, {"is_success": won}
+
+
+def test_an_env_of_text_spaces_is_played_as_written():
+    env = make_env("gymnasium", env_id=SecretWord, task="Say the secret word.", action_names=list(SecretWord.WORDS))
+    observation, info = env.reset({"seed": 0})
+    assert observation.startswith("the secret starts with ") and info["task"] == "Say the secret word."
+    assert info["admissible_actions"] == ["apple", "river", "stone"]
+    word = {w[0]: w for w in SecretWord.WORDS}[observation[-2]]
+    assert env.step("two words")[4]["invalid_move"]  # a space is outside the action space's charset
+    assert env.step("pear")[0] == "no."  # any text of the space is sent, listed or not
+    _, reward, terminated, _, info = env.step(word)
+    assert terminated and info["won"] and reward == 1.0
+
+
+def test_several_environments_per_worker_play_alike():
+    factory = partial(make_env, "gymnasium", env_id="FrozenLake-v1")  # slippery: each env draws from np_random
+    moves = ["right", "down", "right", "down"]
+    with WorkerPoolEnvs(factory, 4, num_workers=2, reset_timeout=120, step_timeout=60) as pool:
+        frames = [{r.observation for r in pool.reset([{"seed": 5}] * 4)}]
+        for move in moves:
+            frames.append({r.observation for r in pool.step(dict.fromkeys(range(4), move)).values()})
+    reference = make_env("gymnasium", env_id="FrozenLake-v1")
+    expected = [reference.reset({"seed": 5})[0], *[reference.step(m)[0] for m in moves]]
+    assert pool.faults == 0 and frames == [{frame} for frame in expected]
+
+
+FROZEN_RUN = """model_name_or_path: tiny
+output_dir: {out}
+report_to: none
+use_cpu: true
+env_name: gymnasium
+task_kwargs: {{num_tasks: 2}}
+action_mode: plain
+invalid_action: end_episode
+num_eval_tasks: 2
+tiny_hidden_size: 32
+tiny_num_layers: 1
+tiny_num_heads: 2
+warmstart_steps: 20
+warmstart_batch_size: 16
+warmstart_learning_rate: 0.01
+tasks_per_device: 2
+num_generations: 4
+per_device_train_batch_size: 16
+max_completion_length: 3
+max_env_steps: 6
+train_iterations: 2
+save_strategy: "no"
+logging_steps: 1
+disable_tqdm: true
+plots: false
+"""
+
+
+def test_tasks_are_seed_rows_and_train_py_trains_on_the_environment_by_name(tmp_path):
+    from hgpo_trl.cli import main
+
+    assert make_tasks("gymnasium", "valid", env_id="Taxi-v4", num_tasks=2)["task_id"] == ["Taxi-v4/1000000",
+                                                                                         "Taxi-v4/1000001"]
+    config = tmp_path / "frozen.yaml"
+    config.write_text(FROZEN_RUN.format(out=tmp_path / "out"))
+    main(["--config", str(config), "--env_kwargs", '{"env_id": "FrozenLake-v1", "max_steps": 6}'])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["iterations"] == summary["optimizer_steps"] == 2 and 0 <= summary["success_rate_end"] <= 1
+    assert summary["config"]["trainer"]["env_kwargs"] == {"env_id": "FrozenLake-v1", "max_steps": 6}
+
+
+def one_room(render_mode="ansi"):
+    """A toy-text environment built by hand: no registered id, so no built-in action names."""
+    return gymnasium.envs.toy_text.CliffWalkingEnv(render_mode=render_mode)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"env_id": one_room}, "Discrete action space .* pass action_names"),
+    ({"env_id": "FrozenLake-v1", "action_names": ["left", "down", "right"]}, r"3 names for Discrete\(4\)"),
+    ({"env_id": "FrozenLake-v1", "action_names": ["go", "Go ", "a", "b"]}, "must differ once stripped"),
+    ({"env_id": "FrozenLake-v1", "action_names": {"left": 0, "jump": 7}}, r"\['jump'\] are not"),
+    ({"env_id": "FrozenLake-v1", "action_names": "left down right up"}, "a list or a mapping"),
+    ({"env_id": partial(one_room, render_mode=None), "action_names": ["u", "r", "d", "l"]}, "does not render as text"),
+    ({"env_id": "CartPole-v1"}, "its observations are not text"),
+    ({"env_id": "NoSuchGame-v0"}, "'NoSuchGame-v0' could not be made"),
+    ({"env_id": "FrozenLake-v1", "success": "maybe"}, "success must be one of"),
+    ({"env_id": 7}, "env_id must be a gymnasium id"),
+], ids=["no-names", "wrong-count", "duplicates", "not-an-action", "string", "no-ansi", "cartpole", "unknown",
+        "success", "env-id"])
+def test_bad_input_is_one_error_naming_the_problem(options, message):
+    with pytest.raises(ValueError, match=message):
+        make_env("gymnasium", **options)
+
+
+def test_without_the_package_the_error_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # import gymnasium fails, as where it is not installed
+    with pytest.raises(MissingExtraError, match=r'needs the gymnasium package: pip install "hgpo-trl\[gymnasium\]"'):
+        make_env("gymnasium", env_id="FrozenLake-v1")
+
+
+def test_named_actions_by_mapping_and_a_row_without_an_environment():
+    env = make_env("gymnasium", env_id=one_room, action_names={"north": 0, "east": 1, "south": 2, "west": 3})
+    start, _ = env.reset({"seed": 0})
+    assert env.step("north")[0] != start and env.step("south")[0] == start
+    with pytest.raises(ValueError, match="names no environment"):
+        make_env("gymnasium").reset({"seed": 0})
+    assert clean_frame("\x1b[41mS\x1b[0mF\n  (Left)\n") == "{S:red}F"
