@@ -138,6 +138,7 @@ def main(out: str, extra: list[str]) -> None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": rank, "error": str(err), "global_step": trainer.state.global_step,
                        "checksums": [*checksums, checksum(trainer)]}, f)
+        finish()
         return
     metrics = trainer.evaluate()
     checksum_now = checksum(trainer)
@@ -145,6 +146,14 @@ def main(out: str, extra: list[str]) -> None:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "played": played,
                    "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum_now,
                    "global_step": trainer.state.global_step, "estimated": ESTIMATED, "seen": seen}, f)
+    finish()
+
+
+def finish() -> None:
+    """Leave together: a process that exits while the other still talks to it aborts the launch (gloo)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
