@@ -100,7 +100,7 @@ def build_warm_start(settings: dict[str, Any], seed: int, folder: Path) -> dict[
     tick = time.time()
     train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)
     model, tokenizer = load_model(model_args, env_args, args, train_tasks)
-    metrics = run_warm_start(model, tokenizer, env_args, args, train_tasks, folder / "sft") \
+    metrics = run_warm_start(model, tokenizer, env_args, args, train_tasks) \
         if env_args.warmstart_steps > 0 else {}
     save_tiny(model, tokenizer, folder)  # save_pretrained of both: any model, not only the tiny one
     record = {"seed": seed, "path": str(folder), "sha256": weights_sha256(model),

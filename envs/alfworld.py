@@ -257,6 +257,18 @@ class AlfWorldEnv:
         self.cache_dir = Path(cache_dir or default_cache).expanduser()
         self._engine = self._game_file = self._state = self._task = None
 
+    def vocabulary(self, tasks: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Texts holding the words ALFWorld's observations, goals and commands are made of, without playing (a
+        new game costs 2-3 s): the installed grammar's templates, every ALFRED object and receptacle name as
+        the games write them, object numbers, the command verbs and the tasks' goals (a tiny tokenizer's corpus)."""
+        from alfworld.gen import constants
+        from alfworld.info import ALFRED_TWL2_PATH
+
+        names = [name.lower() for name in (*constants.OBJECTS, *constants.RECEPTACLES)]
+        commands = "go to take from put in on open close toggle heat with cool clean slice use examine look inventory"
+        return [Path(ALFRED_TWL2_PATH).read_text(), " ".join(names), " ".join(map(str, range(100))), commands,
+                *(str(task.get("goal", "")) for task in tasks)]
+
     def reset(self, task: Mapping[str, Any]) -> tuple[str, Info]:
         if not isinstance(task, Mapping) or not isinstance(task.get("game_id"), str):
             raise ValueError(f"ALFWorld task must be a mapping (a dataset row) with a string 'game_id', got {task!r}")

@@ -3,7 +3,7 @@
 #
 # A third-party text game engine behind hgpo-trl's environment protocol, registered by name, trained with an
 # advantage estimator of your own, then evaluated like the built-in environments. Cells (`# %%`) as in
-# `notebook_quickstart.py`; it runs offline on a CPU in about a minute. The walk-through is docs/byo_env.md.
+# `quickstart.ipynb`; it runs offline on a CPU in about a minute. The walk-through is docs/byo_env.md.
 #
 # TextWorld (Côté et al., 2018) is the engine under ALFWorld; `pip install textworld` (the `alfworld` extra
 # brings it). Its `tw-make` generates games offline.
@@ -196,7 +196,7 @@ register_estimator("turn_baseline", turn_baseline, overwrite=True)
 tokenizer = build_tiny_tokenizer(environment_corpus(env, list(train_tasks), episodes=60))
 model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4)
 print(warm_start(model, tokenizer, partial(make_env, "textworld"), list(train_tasks), steps=40,
-                 output_dir=str(OUTPUT / "warmstart"), batch_size=32, learning_rate=3e-3))
+                 batch_size=32, learning_rate=3e-3))
 
 args = HGPOConfig(
     output_dir=str(OUTPUT), use_cpu=True, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,

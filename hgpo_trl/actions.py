@@ -10,6 +10,7 @@ Nothing here evaluates or executes the text: it is only searched and sliced.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 ACTION_MODES = ("tags", "plain")
 MAX_ACTION_CHARS = 200
@@ -18,6 +19,7 @@ INVALID_TAIL_CHARS = 30  # released: memory keeps the last 30 characters of an i
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 _TAGS = re.compile(r"</?(?:action|think)>")
 _SPACES = re.compile(r"\s+")
+_BRACKET_SPACES = re.compile(r"\s*([\[\]<>()])\s*")
 
 FORMAT_INSTRUCTIONS = {
     "tags": ("First think step by step inside <think> </think>. Then give exactly one admissible action "
@@ -61,6 +63,21 @@ def parse_action(text: str, mode: str = "tags", *, require_think: bool = True, r
     if not action or len(action) > max_chars or _TAGS.search(action):
         return None
     return action
+
+
+def match_admissible(action: str | None, admissible: Sequence[str]) -> str | None:
+    """The admissible action that `action` spells, up to case and the spaces around brackets (a word-level
+    tokenizer decodes `click[buy now]` as `click [ buy now ]`), as the environment writes it; None if none."""
+    if action is None:
+        return None
+    if action in admissible:
+        return action
+    key = _canonical(action)
+    return next((candidate for candidate in admissible if _canonical(candidate) == key), None)
+
+
+def _canonical(action: str) -> str:
+    return _BRACKET_SPACES.sub(r"\1", _SPACES.sub(" ", action).strip().lower())
 
 
 def format_action(action: str, mode: str = "tags") -> str:

@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
         final = os.path.join(run_dir, name)
         shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (a resumed run)
         os.replace(os.path.join(staging, name), final)
+        with suppress(OSError):  # the staging folder, now empty, is not left behind
+            os.rmdir(staging)
         if best:
             trainer.state.save_to_json(os.path.join(final, TRAINER_STATE_NAME))
         rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,

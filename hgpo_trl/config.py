@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib.util
-import json
+import inspect
 import math
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+import yaml
 from trl import GRPOConfig
 
 from hgpo_trl.actions import ACTION_MODES
@@ -47,7 +50,8 @@ class HGPOConfig(GRPOConfig):
     # Environment
     env_name: str = field(default="keydoor", metadata={"help": "Registered environment name (hgpo_trl.envs.make_env)."})
     env_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of the environment factory (a dict, or JSON on the CLI)."})
+        default=None, metadata={"help": "Keyword arguments of the environment factory, e.g. {key_reward: 3.0}; on "
+                                        "the command line (YAML or JSON) it replaces the YAML's mapping as a whole."})
     tasks_per_device: int = field(
         default=2, metadata={"help": "Distinct tasks each process plays per iteration, each num_generations times."})
     max_env_steps: int = field(default=50, metadata={"help": "Step limit of an episode (ALFWorld 50, WebShop 30)."})
@@ -156,6 +160,15 @@ class HGPOConfig(GRPOConfig):
         default=0.4, metadata={"help": "Sampling temperature of evaluate(); 0 means greedy."})
     eval_max_tasks: int | None = field(
         default=None, metadata={"help": "Evaluate on at most this many tasks of eval_dataset."})
+
+    logging_steps: float = field(
+        default=1, metadata={"help": "Log every this many optimizer steps (TRL's default is 10): with 1, every "
+                                     "iteration logs its metrics and prints its [iter] line."})
+    console_metrics: bool = field(
+        default=False, metadata={"help": "Also print every log's full metrics dict to the console, as TRL does "
+                                         "(default: one [iter] line per iteration and one [eval] line per "
+                                         "evaluation; the full dicts always go to report_to and "
+                                         "trainer_state.json)."})
 
     # Reporting: TensorBoard by default (a dependency), unlike TrainingArguments' "none". The annotation is
     # TrainingArguments' own: HfArgumentParser reads a `None | str | list[str]` union only in this order.
@@ -300,15 +313,20 @@ class HGPOConfig(GRPOConfig):
         ]
         for name, ok, expected in checks:
             if not ok:
-                raise ValueError(f"HGPOConfig.{name} must be {expected}, got {getattr(self, name)!r}")
-        if isinstance(self.env_kwargs, str):  # TRL decodes only strings that start with "{", and names no field
+                close = difflib.get_close_matches(str(getattr(self, name)), list(ESTIMATORS), 1) \
+                    if name == "estimator" else []
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"HGPOConfig.{name} must be {expected}, got {getattr(self, name)!r}{hint}")
+        if isinstance(self.env_kwargs, str):  # TRL decodes only JSON strings, and names no field
             try:
-                self.env_kwargs = json.loads(self.env_kwargs)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"HGPOConfig.env_kwargs must be a mapping (JSON on the command line, e.g. "
-                                 f"'{{\"max_steps\": 30}}'): {err}") from None
+                self.env_kwargs = yaml.safe_load(self.env_kwargs)
+            except yaml.YAMLError as err:
+                raise ValueError(f"HGPOConfig.env_kwargs must be a mapping such as '{{max_steps: 30}}' (YAML or "
+                                 f"JSON): cannot read {self.env_kwargs!r}: {str(err).splitlines()[0]}") from None
         if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
-            raise ValueError(f"HGPOConfig.env_kwargs must be a dict, got {type(self.env_kwargs).__name__}")
+            raise ValueError(f"HGPOConfig.env_kwargs must be a mapping such as '{{max_steps: 30}}', got "
+                             f"{self.env_kwargs!r}")
+        self._check_device()
         # Optional packages: a clear error now rather than an import failure after the model has loaded.
         extras = [("use_vllm", self.use_vllm, "vllm"), ("deepspeed", self.deepspeed, "deepspeed"),
                   ("env_name", self.env_name == "alfworld", "alfworld")]
@@ -325,9 +343,23 @@ class HGPOConfig(GRPOConfig):
             raise ValueError("HGPOConfig.load_best_model_at_end needs metric_for_best_model, e.g. 'success_rate' "
                              "(evaluate() reports eval_success_rate, eval_episode_reward, ...; there is no eval_loss)")
         if self.hierarchy_depth is not None and self.hierarchy_depth > self.history_length:
-            warnings.warn(
-                f"hierarchy_depth ({self.hierarchy_depth}) > history_length ({self.history_length}): HGPO's deepest "
-                "levels key on observations that the prompts do not show", stacklevel=3)
+            user_warning(
+                f"HGPOConfig: hierarchy_depth ({self.hierarchy_depth}) > history_length ({self.history_length}): "
+                "HGPO's deepest levels key on observations that the prompts do not show")
+
+    def _check_device(self) -> None:
+        """A GPU config on a machine without one stops here, in one line naming every field to change (rather
+        than TrainingArguments' "Your setup doesn't support bf16/gpu", then vLLM's own failure)."""
+        from transformers.utils import is_torch_bf16_gpu_available
+
+        wants_gpu = [f"{name}: false" for name, wanted in (
+            ("use_vllm", self.use_vllm and not torch.cuda.is_available()),
+            ("bf16", self.bf16 is True and not self.use_cpu and not is_torch_bf16_gpu_available())) if wanted]
+        if wants_gpu:
+            raise ValueError(f"HGPOConfig: this config needs a GPU and no GPU is visible: start from a CPU recipe "
+                             f"(configs/{{alfworld,webshop}}/tiny_cpu.yaml), or set {', '.join(wants_gpu)} (e.g. "
+                             f"--{' false --'.join(w.split(':')[0] for w in wants_gpu)} false) to run this one on "
+                             "the CPU anyway (a paper-sized run takes days there)")
 
     @property
     def depth(self) -> int:
@@ -354,10 +386,55 @@ class HGPOConfig(GRPOConfig):
 
     def estimator_options(self) -> dict[str, Any]:
         """The keyword options of `estimator`, from this config's fields."""
-        candidates = {
-            "gamma": self.gamma, "depth": self.depth, "alpha": self.alpha, "norm": self.advantage_norm,
-            "weighting": self.weighting, "base_group": self.base_group, "drop_zero_items": self.drop_zero_items,
-            "omega": self.omega, "episode_stats": self.episode_stats, "std_ddof": self.std_ddof,
-            "invalid_penalty": self.invalid_penalty, "lam": self.progpo_lambda,
-        }
+        candidates = {option: self.depth if name == "hierarchy_depth" else getattr(self, name)
+                      for name, option in ESTIMATOR_FIELDS.items()}
         return {k: v for k, v in candidates.items() if k in estimator_options(self.estimator)}
+
+
+HELP_SECTIONS = {"env_name": "environment", "train_iterations": "iterations, step batches, cadence",
+                 "history_length": "prompts and actions", "estimator": "advantages",
+                 "diagnostics_every": "diagnostics and trajectory dumps", "eval_temperature": "evaluation",
+                 "logging_steps": "console and reporting"}
+"""The first field of each topic of HGPOConfig's own fields (in declaration order), for `--help`."""
+
+
+def help_section(name: str) -> str:
+    """The topic of HGPOConfig's own field `name`: that of the nearest section start declared before it."""
+    section = "environment"
+    for declared in vars(HGPOConfig)["__annotations__"]:
+        section = HELP_SECTIONS.get(declared, section)
+        if declared == name:
+            return section
+    raise KeyError(f"{name} is not a field declared by HGPOConfig")
+
+
+ESTIMATOR_FIELDS = {
+    "gamma": "gamma", "hierarchy_depth": "depth", "alpha": "alpha", "advantage_norm": "norm",
+    "weighting": "weighting", "base_group": "base_group", "drop_zero_items": "drop_zero_items", "omega": "omega",
+    "episode_stats": "episode_stats", "std_ddof": "std_ddof", "invalid_penalty": "invalid_penalty",
+    "progpo_lambda": "lam",
+}
+"""HGPOConfig's advantage fields and the estimator option each becomes."""
+
+
+def estimator_fields(estimator: str) -> list[str]:
+    """The advantage fields `estimator` reads."""
+    options = estimator_options(estimator)
+    return [name for name, option in ESTIMATOR_FIELDS.items() if option in options]
+
+
+def unread_estimator_fields(estimator: str, names: Iterable[str]) -> list[str]:
+    """The advantage fields among `names` that `estimator` does not read (e.g. omega under hgpo)."""
+    options = estimator_options(estimator)
+    return [name for name in names if name in ESTIMATOR_FIELDS and ESTIMATOR_FIELDS[name] not in options]
+
+
+def user_warning(message: str) -> None:
+    """A UserWarning attributed to the user's code: the first caller outside this library and the libraries that
+    build configs (a dataclass's generated __init__ would otherwise show as `<string>:224`)."""
+    internal = {"hgpo_trl", "transformers", "trl", "dataclasses", "importlib", "accelerate"}
+    frame, level = inspect.currentframe(), 1
+    while frame is not None and (frame.f_code.co_filename == "<string>" or
+                                 str(frame.f_globals.get("__name__", "")).split(".")[0] in internal):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level if frame is not None else 2)

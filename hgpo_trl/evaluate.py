@@ -21,6 +21,7 @@ slow environments); generation is vLLM when `use_vllm` is set and a GPU is visib
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
 import sys
@@ -32,12 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 from tqdm.auto import tqdm
 from trl import ModelConfig
 
 from hgpo_trl.actions import format_action
-from hgpo_trl.cli import TINY, ConfigError, EnvArguments, load_tasks, parse_sections
+from hgpo_trl.arguments import TINY, ConfigError, EnvArguments, check_model_path, parse_sections
 from hgpo_trl.cli import load_model as build_training_model
+from hgpo_trl.cli import load_tasks
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import default_num_workers, make_env_batch
@@ -78,7 +81,11 @@ class EvalArguments:
                                         "split's tasks (num_eval_tasks is then not read); the released evaluation "
                                         "plays 512 (4 x 128). None: every task once."})
     eval_output_dir: str | None = field(
-        default=None, metadata={"help": "Folder of evaluation.json and evaluation.md (default: output_dir/evaluation)."})
+        default=None, metadata={"help": "Folder of evaluation.json and evaluation.md; default: 'evaluation' beside "
+                                        "the evaluated model (inside its folder), or the config's "
+                                        "output_dir/evaluation for a hub id, 'tiny' or reference players only. A "
+                                        "folder that already holds a result is never overwritten: the next free "
+                                        "evaluation-N is used, and said."})
 
 
 @dataclass
@@ -96,7 +103,7 @@ class Evaluation:
 
 def prepare(argv: list[str] | None = None) -> Evaluation:
     """Parse and check the command line; every problem is a ConfigError naming it, raised before any model loads."""
-    eval_args, env_args, args, model_args = parse_sections(argv, (EvalArguments,), "evaluate.py")
+    eval_args, env_args, args, model_args = parse_sections(cpu_overrides(argv), (EvalArguments,), "evaluate.py")
     unknown = sorted(set(eval_args.policy) - set(POLICIES))
     if unknown or not eval_args.policy:
         raise ConfigError(f"EvalArguments.policy must be one or more of {POLICIES}, got {eval_args.policy}")
@@ -128,38 +135,49 @@ def prepare(argv: list[str] | None = None) -> Evaluation:
         except ValueError as err:
             raise ConfigError(f"EvalArguments.policy expert: environment {args.env_name!r} has no scripted expert "
                               f"(make_env(..., expert=True) giving info['expert_action']): {err}") from None
-    output_dir = Path(eval_args.eval_output_dir or Path(args.output_dir) / "evaluation")
+    output_dir = result_folder(eval_args, args, model_args)
     temperature = 0.0 if eval_args.greedy else args.eval_temperature
     return Evaluation(eval_args, env_args, args, model_args, tasks, temperature, output_dir)
 
 
-def check_model_path(name: str | None, what: str = "ModelConfig.model_name_or_path") -> None:
-    """A ConfigError unless `name` is 'tiny', a folder holding a model (config.json) or a LoRA adapter whose base
-    model passes this check too, or a hub id (offline: one in the Hugging Face cache)."""
-    from huggingface_hub import is_offline_mode, try_to_load_from_cache
+def cpu_overrides(argv: list[str] | None) -> list[str]:
+    """The command line, with `--use_vllm false --bf16 false` added (unless given) where no GPU is visible or
+    only reference players play: a paper config evaluates on a CPU with transformers' generate, as documented."""
+    import torch
 
-    if not name:
-        raise ConfigError(f"{what} is required to evaluate a model: a run's output_dir or checkpoint, a LoRA "
-                          "adapter folder, a model folder or hub id, or 'tiny'")
-    if name == TINY:
-        return
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if (path / ADAPTER_CONFIG).is_file():
-            base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-            check_model_path(base, f"the base model named in {path / ADAPTER_CONFIG}")
-        elif not (path / "config.json").is_file():
-            inside = sorted(p.parent.name for p in path.glob("*/config.json"))
-            hint = f"; models inside it: {', '.join(inside)}" if inside else ""
-            raise ConfigError(f"{what}: {path} holds no model (config.json) and no LoRA adapter ({ADAPTER_CONFIG})"
-                              f"{hint}")
-        return
-    # A hub id is "name" or "org/name"; a deeper path, or one under an existing folder, was meant as a folder.
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name.split("/")[0]).is_dir():
-        raise ConfigError(f"{what}: {path} does not exist; expected a checkpoint, model or LoRA adapter folder")
-    if is_offline_mode() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
-        raise ConfigError(f"{what}: {name!r} is not a folder, and no model of that hub id is in the Hugging Face "
-                          "cache (HF_HUB_OFFLINE is set)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    model_plays = "--policy" not in argv or "model" in argv[argv.index("--policy") + 1:]
+    if model_plays and torch.cuda.is_available():
+        return argv
+    added = [f"--{name}" for name in ("use_vllm", "bf16") if f"--{name}" not in argv]
+    path = Path(argv[argv.index("--config") + 1]) if "--config" in argv[:-1] else None
+    try:  # (a config that cannot be read is reported by the parser, next)
+        config = yaml.safe_load(path.read_text()) if path is not None and path.is_file() else {}
+    except yaml.YAMLError:
+        config = {}
+    turned_off = [name[2:] for name in added if isinstance(config, dict) and config.get(name[2:]) is True]
+    if model_plays and turned_off:
+        print(f"evaluate.py: no GPU visible: the model generates with transformers on the CPU "
+              f"({' and '.join(turned_off)} off)")
+    return [*argv, *(item for name in added for item in (name, "false"))]
+
+
+def result_folder(eval_args: EvalArguments, args: HGPOConfig, model_args: ModelConfig) -> Path:
+    """Where the report goes: `eval_output_dir`, else `evaluation` in the evaluated model's folder, else in the
+    config's output_dir; a folder that holds a report already gives way to the next free `evaluation-N`."""
+    model = Path(model_args.model_name_or_path or "").expanduser()
+    if eval_args.eval_output_dir:
+        folder = Path(eval_args.eval_output_dir)
+    elif "model" in eval_args.policy and model_args.model_name_or_path != TINY and model.is_dir():
+        folder = model / "evaluation"
+    else:
+        folder = Path(args.output_dir) / "evaluation"
+    if not (folder / "evaluation.json").exists():
+        return folder
+    free = next(folder.with_name(f"{folder.name}-{n}") for n in itertools.count(1)
+                if not (folder.with_name(f"{folder.name}-{n}") / "evaluation.json").exists())
+    print(f"evaluate.py: {folder} already holds an evaluation; writing this one to {free}")
+    return free
 
 
 # ---------------------------------------------------------------------------------------------- players
@@ -510,7 +528,7 @@ def main(argv: list[str] | None = None) -> None:
     for r in report["results"]:
         score = f", score {_percent(r['score'])}" if "score" in r else ""
         print(f"{r['policy']} on {r['split']}: success {_percent(r['success_rate'])}{score} % over "
-              f"{len(report['seeds'])} seeds")
+              f"{len(report['seeds'])} seed{'s' * (len(report['seeds']) != 1)}")
     print(f"wrote {evaluation.output_dir / 'evaluation.json'} and evaluation.md")
 
 

@@ -51,24 +51,33 @@ class IterationCadence(TrainerCallback):
 
 
 class IterationProgress(ProgressCallback):
-    """The Trainer's progress bar counted in iterations (its own counts optimizer steps up to `max_steps`, which
-    under all_steps is only an upper bound)."""
+    """The Trainer's progress bar, counted in iterations when the run is (its own counts optimizer steps up to
+    `max_steps`, which under all_steps is only an upper bound), and without the Trainer's printed metrics dicts
+    unless `console_metrics` asks for them (`reporting.IterationLine` prints one line per log instead)."""
 
     def __init__(self, trainer: HGPOTrainer):
         super().__init__()
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if args.train_iterations is None:
+            return super().on_train_begin(args, state, control, **kwargs)
         self.current_step = self.trainer.completed_iterations
         if state.is_world_process_zero:
             self.training_bar = tqdm(total=args.train_iterations, initial=self.current_step, unit="iteration",
                                      dynamic_ncols=True)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if args.train_iterations is None:
+            return super().on_step_end(args, state, control, **kwargs)
         done = self.trainer.completed_iterations
         if state.is_world_process_zero and done > self.current_step:
             self.training_bar.update(done - self.current_step)
         self.current_step = done
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if args.console_metrics:
+            super().on_log(args, state, control, logs=logs, **kwargs)
 
 
 def iteration_schedule(scheduler: LambdaLR, completed_iterations: Callable[[], int]) -> LambdaLR:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 
 class IterationLine(TrainerCallback):
-    """Prints one readable line per iteration: success, reward, invalid rate and the time split."""
+    """Prints one readable line per iteration (success, reward, invalid rate, the time split) and per evaluation:
+    the console's default; the full metrics go to `report_to` and trainer_state.json (`console_metrics`: also
+    to the console)."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
@@ -23,8 +27,67 @@ class IterationLine(TrainerCallback):
                        f"env {logs['time/env']:.1f}s  adv {1e3 * logs['time/advantages']:.1f}ms  "
                        f"train {logs['time/training']:.1f}s")
         elif "eval_success_rate" in logs:
-            tqdm.write(f"[eval {state.global_step:>4}] success {logs['eval_success_rate']:.2f} on "
-                       f"{int(logs['eval_tasks'])} tasks  reward {logs['eval_episode_reward']:.2f}")
+            score = f"  score {logs['eval_score']:.2f}" if "eval_score" in logs else ""
+            tqdm.write(f"[eval {logs.get('iteration', state.global_step):>4}] success {logs['eval_success_rate']:.2f} "
+                       f"on {int(logs['eval_tasks'])} task{'s' * (logs['eval_tasks'] != 1)}  reward {logs['eval_episode_reward']:.2f}{score}")
+
+
+class InvalidOutputWarning(TrainerCallback):
+    """Says so, once, when most outputs of the first `window` iterations were invalid actions: such a run learns
+    next to nothing, and its flat curve alone does not say why."""
+
+    def __init__(self, window: int = 5, threshold: float = 0.5):
+        self.window, self.threshold, self.rates = window, threshold, []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs or "env/invalid_rate" not in logs:
+            return
+        self.rates.append(logs["env/invalid_rate"])
+        last = min(self.window, args.train_iterations or self.window)
+        if len(self.rates) == last and sum(self.rates) / last > self.threshold:
+            span = "iteration 1" if last == 1 else f"iterations 1-{last}"
+            tqdm.write(f"[warning] {sum(self.rates) / last:.0%} of the outputs of {span} were invalid "
+                       "actions, so most steps teach nothing. A tiny model needs a longer warm start "
+                       "(warmstart_steps); a pretrained one, the answer format it is asked for (action_mode, "
+                       "format_instruction) and room to write it (max_completion_length). env/invalid_rate tracks it.")
+
+
+class BarOnly(ProgressCallback):
+    """The Trainer's progress bar without the metrics dicts it prints (a warm start's run statistics)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        pass
+
+
+@contextmanager
+def transformers_bars_off():
+    """Transformers' own progress bars (save_pretrained's "Writing model shards") off for the block."""
+    from transformers.utils import logging
+
+    active = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if active:
+            logging.enable_progress_bar()
+
+
+def quiet_console(trainer) -> None:
+    """The console of a run: the progress bar, `IterationLine`'s lines and `InvalidOutputWarning`; TRL's metrics
+    dicts only with `console_metrics` (HF's PrinterCallback prints them when the bars are off, ProgressCallback
+    when on)."""
+    from hgpo_trl.iterations import IterationProgress
+
+    handler, args = trainer.callback_handler, trainer.args
+    if not args.console_metrics:
+        handler.remove_callback(PrinterCallback)
+    if not args.disable_tqdm:
+        handler.remove_callback(ProgressCallback)
+        handler.add_callback(IterationProgress(trainer))
+    if not any(isinstance(callback, IterationLine) for callback in handler.callbacks):
+        handler.add_callback(IterationLine())
+    handler.add_callback(InvalidOutputWarning())
 
 
 class EvaluationBeforeTraining(TrainerCallback):

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, invalid_tail, parse_action
+from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, invalid_tail, match_admissible, parse_action
 from hgpo_trl.advantages import StepBatch
 from hgpo_trl.envs.base import Info
 from hgpo_trl.envs.pool import EnvBatch, StepResult
@@ -216,8 +216,8 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
         for i, completion in zip(active, completions, strict=True):
             action = parse_action(completion.text, settings.action_mode, require_think=settings.require_think,
                                   reject_cjk=settings.reject_cjk)
-            if settings.admissible_only and action not in admissible[i]:
-                action = None
+            if settings.admissible_only:
+                action = match_admissible(action, admissible[i])
             actions[i] = action
         to_step = {i: a for i, a in actions.items() if a is not None or settings.invalid_action == "noop"}
         tick = time.perf_counter()

@@ -62,7 +62,7 @@ def build_tiny_tokenizer(corpus: Iterable[str], extra_words: Iterable[str] = ())
         eos_token=IM_END,
         pad_token=PAD,
         unk_token=UNK,
-        model_max_length=512,
+        model_max_length=4096,  # as make_tiny's context (RoPE: no parameters depend on it)
         chat_template=CHAT_TEMPLATE,
     )
     # transformers 5.x loads any tokenizer next to a "qwen2" config.json as Qwen2Tokenizer, which rebuilds a
@@ -128,13 +128,14 @@ def save_tiny(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, direc
 def make_tiny(env_name: str, tasks: Sequence[Mapping[str, Any]] = (), *, tokenizer: str | Path | None = None,
               env_kwargs: Mapping[str, Any] | None = None, history_length: int = 2, max_steps: int = 8,
               hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, vocab_rows: int | None = None,
-              max_position_embeddings: int | None = None, seed: int = 0) -> tuple[Qwen2ForCausalLM, Any]:
+              max_position_embeddings: int | None = None, seed: int = 0, progress: bool = False
+              ) -> tuple[Qwen2ForCausalLM, Any]:
     """(model, tokenizer): a tiny Qwen2-architecture model for environment `env_name`, offline.
 
     `tokenizer=None` trains a word-level tokenizer on the texts of random episodes of `tasks` (prompts,
     admissible actions, observations; needs `tasks`). A folder (or a loaded tokenizer) uses that tokenizer, e.g.
     Qwen2.5's byte-level BPE, so the model sees what a real Qwen model sees; give it `vocab_rows=151936` to be
-    shaped like Qwen2.5-0.5B-3B's embeddings. `max_position_embeddings`: default 512 for the word-level
+    shaped like Qwen2.5-0.5B-3B's embeddings. `max_position_embeddings`: default 4096 for the word-level
     tokenizer (its prompts are short) and 32768, Qwen2.5's, for a given one.
     """
     if tokenizer is None:
@@ -147,10 +148,10 @@ def make_tiny(env_name: str, tasks: Sequence[Mapping[str, Any]] = (), *, tokeniz
         env = make_env(env_name, **(env_kwargs or {}))
         try:
             tok = build_tiny_tokenizer(environment_corpus(env, list(tasks), history_length=history_length,
-                                                          max_steps=max_steps))
+                                                          max_steps=max_steps, progress=progress))
         finally:
             env.close()
-        context = max_position_embeddings or 512
+        context = max_position_embeddings or 4096
     else:
         tok = tokenizer if not isinstance(tokenizer, str | Path) else load_tokenizer_folder(tokenizer)
         context = max_position_embeddings or 32768

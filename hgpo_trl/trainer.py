@@ -24,6 +24,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import transformers
+import trl
 from accelerate import PartialState
 from accelerate.utils import gather_object
 from datasets import Dataset
@@ -31,11 +33,11 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.integrations import TensorBoardCallback
 from transformers.integrations.integration_utils import default_logdir
-from transformers.trainer_callback import ProgressCallback
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
 from trl.trainer.utils import pad, use_adapter
 
+import hgpo_trl
 from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
 from hgpo_trl.checkpoints import cpu_map_location, read_trainer_state, save_staged, write_trainer_state
 from hgpo_trl.config import HGPOConfig
@@ -49,8 +51,10 @@ from hgpo_trl.generation import (
     prompts_per_call,
     slices_by_position,
 )
-from hgpo_trl.iterations import IterationCadence, IterationCount, IterationProgress, iteration_schedule
+from hgpo_trl.iterations import IterationCadence, IterationCount, iteration_schedule
 from hgpo_trl.metrics import SampleCounts, combine_processes, iteration_metrics
+from hgpo_trl.model_card import render_model_card
+from hgpo_trl.reporting import quiet_console, transformers_bars_off
 from hgpo_trl.rollout import Completion, Rollout, StepRecord, run_rollout
 from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.step_batches import (
@@ -63,7 +67,7 @@ from hgpo_trl.step_batches import (
 )
 from hgpo_trl.trajectories import rollout_records, write_records
 
-# The keys of the generation dict that GRPOTrainer's loss reads (tests/test_trainer_contract.py pins them).
+# The keys of the generation dict that GRPOTrainer's loss reads (tests/test_trainer.py pins them).
 LOSS_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
                    "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
                    "importance_sampling_ratio")
@@ -120,6 +124,8 @@ class HGPOTrainer(GRPOTrainer):
         if not isinstance(train_dataset, Dataset):
             raise ValueError("train_dataset must be a datasets.Dataset with one row per task "
                              f"(e.g. hgpo_trl.envs.make_tasks(...)), got {type(train_dataset).__name__}")
+        # Where training started, for the model card (before the in-memory reference renames it).
+        self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
         if args.beta != 0.0 and peft_config is None:
             _save_in_memory_reference(model, processing_class, args)
         super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
@@ -156,9 +162,7 @@ class HGPOTrainer(GRPOTrainer):
                              "'scheduler' section of the DeepSpeed config (it would step per optimizer step over "
                              "max_steps, only an upper bound) and set lr_scheduler_type instead")
         self.add_callback(IterationCadence(self))
-        if args.train_iterations is not None and not args.disable_tqdm:
-            self.callback_handler.remove_callback(ProgressCallback)
-            self.add_callback(IterationProgress(self))
+        quiet_console(self)
 
     # ------------------------------------------------------------------ tasks
     def get_train_dataloader(self):
@@ -519,6 +523,27 @@ class HGPOTrainer(GRPOTrainer):
                 "--resume_from_checkpoint")
 
     # ------------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The parent's, without transformers' "Writing model shards" bar (one per save, between our lines); a
+        user's save (not a checkpoint's) also refreshes the model card with the evaluations so far."""
+        with transformers_bars_off():
+            super().save_model(output_dir, _internal_call)
+        if not _internal_call and (output_dir is None or Path(output_dir) == Path(self.args.output_dir)):
+            self.create_model_card()
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> None:
+        """Our own README.md (TRL's describes GRPO and a base model of "None" for one built in memory)."""
+        if not self.is_world_process_zero():
+            return
+        card = render_model_card(
+            model_name=model_name or Path(self.args.output_dir).name, base_model=self._base_model, args=self.args,
+            estimator_options=self.args.estimator_options(), log_history=self.state.log_history,
+            completed_iterations=self.completed_iterations,
+            versions={"hgpo-trl": hgpo_trl.__version__, "TRL": trl.__version__,
+                      "Transformers": transformers.__version__, "PyTorch": torch.__version__})
+        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(self.args.output_dir, "README.md").write_text(card)
+
     def _save_checkpoint(self, model, trial) -> None:
         """The parent's checkpoint plus the iterations played, written in a staging folder and renamed into
         place (`hgpo_trl.checkpoints`)."""
@@ -594,6 +619,8 @@ class HGPOTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:  # training logs say which iteration they end in
             logs = {**logs, "iteration": self._iteration}
+        elif "eval_success_rate" in logs:  # an evaluation, after the iterations completed
+            logs = {**logs, "iteration": self.completed_iterations}
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ evaluation

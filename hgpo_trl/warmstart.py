@@ -12,28 +12,38 @@ SFT optimum is the uniform policy over admissible actions.
 from __future__ import annotations
 
 import random
+import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import datasets
 from datasets import Dataset
+from tqdm.auto import tqdm
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import SFTConfig, SFTTrainer
 
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.config import cpu_precision_default
 from hgpo_trl.envs.base import TextEnv
 from hgpo_trl.memory import Memory, build_prompt
+from hgpo_trl.reporting import BarOnly
 
 
 def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int, *, history_length: int,
-                max_steps: int, format_instruction: str = "", seed: int = 0) -> list[tuple[str, list[str], str]]:
+                max_steps: int, format_instruction: str = "", seed: int = 0, progress: bool = False,
+                max_pairs: int | None = None, description: str = "random episodes") -> list[tuple[str, list[str], str]]:
     """(prompt, admissible actions, next observation) for every step of `episodes` episodes that take uniformly
     random admissible actions, with the prompts the rollout would build. The tasks come in a random order
-    (each once before any repeats)."""
+    (each once before any repeats). `progress`: a bar of the episodes played; `max_pairs`: stop after the
+    episode in which the (prompt, admissible action) pairs reach this many."""
     rng = random.Random(seed)
     order = rng.sample(range(len(tasks)), len(tasks))
-    samples = []
-    for episode in range(episodes):
+    samples: list[tuple[str, list[str], str]] = []
+    pairs = 0
+    for episode in tqdm(range(episodes), desc=description, unit="episode", disable=not progress, leave=False):
+        if max_pairs is not None and pairs >= max_pairs:
+            break
         observation, info = env.reset(tasks[order[episode % len(tasks)]])
         memory = Memory()
         for step in range(max_steps):
@@ -45,6 +55,7 @@ def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int,
             action = rng.choice(admissible)
             next_observation, _, terminated, truncated, info = env.step(action)
             samples.append((prompt, list(admissible), next_observation))
+            pairs += len(admissible)
             memory.add(observation, action)
             observation = next_observation
             if terminated or truncated:
@@ -53,33 +64,43 @@ def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int,
 
 
 def environment_corpus(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int = 200,
-                       history_length: int = 2, max_steps: int = 8) -> list[str]:
-    """Texts that cover what the environment's prompts and actions can hold (tiny-tokenizer training data)."""
+                       history_length: int = 2, max_steps: int = 8, progress: bool = False) -> list[str]:
+    """Texts that cover what the environment's prompts and actions can hold (tiny-tokenizer training data): the
+    texts of `episodes` random episodes, or, for an environment that lists its words (`env.vocabulary(tasks)`,
+    e.g. ALFWorld, where every new game costs seconds), those and two episodes for the prompt's own words."""
     texts = [*FORMAT_INSTRUCTIONS.values(), "Nothing happens."]
+    if callable(getattr(env, "vocabulary", None)):
+        texts += env.vocabulary(tasks)
+        episodes = min(episodes, 2)
     for prompt, admissible, observation in random_play(env, tasks, episodes, history_length=history_length,
-                                                       max_steps=max_steps):
+                                                       max_steps=max_steps, progress=progress,
+                                                       description="tiny tokenizer: random episodes"):
         texts += [prompt, *admissible, observation]
     return texts
 
 
 def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequence[Mapping[str, Any]], *,
-               steps: int, output_dir: str, history_length: int = 2, max_steps: int = 8,
-               action_mode: str = "plain", format_instruction: str | None = None, batch_size: int = 64,
-               learning_rate: float = 1e-3, seed: int = 0, report_to: str | list[str] = "none",
-               use_cpu: bool = True, progress: bool = False) -> dict[str, float]:
+               steps: int, history_length: int = 2, max_steps: int = 8, action_mode: str = "plain",
+               format_instruction: str | None = None, batch_size: int = 64, learning_rate: float = 1e-3,
+               seed: int = 0, report_to: str | list[str] = "none", use_cpu: bool = True, progress: bool = False,
+               output_dir: str | None = None) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
-    steps (about one pass over fresh pairs); return its metrics.
+    steps (about one pass over fresh pairs); return its metrics. With `progress`, one bar and one `[warm start]`
+    line. `output_dir`: where the SFT trainer may write (its logs under `report_to`); None: a temporary folder.
 
     The completion is the action itself (`plain` mode) or `<think> </think><action>A</action>` (`tags` mode).
     """
+    start = time.time()
     instruction = FORMAT_INSTRUCTIONS[action_mode] if format_instruction is None else format_instruction
     env = env_factory()
     pairs: list[tuple[str, str]] = []
     episode_seed = seed
     while len(pairs) < steps * batch_size:
+        # Episodes enough for 2 admissible actions a step; those with many (ALFWorld's dozens) stop early.
         episodes = random_play(env, tasks, max(1, (steps * batch_size - len(pairs)) // (2 * max_steps) + 1),
                                history_length=history_length, max_steps=max_steps, format_instruction=instruction,
-                               seed=episode_seed)
+                               seed=episode_seed, progress=progress, max_pairs=2 * steps * batch_size,
+                               description="warm start: random episodes")
         pairs += [(prompt, action) for prompt, admissible, _ in episodes for action in admissible]
         episode_seed += 1
     env.close()
@@ -88,17 +109,28 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
         "prompt": [[{"role": "user", "content": p}] for p, _ in pairs],
         "completion": [[{"role": "assistant", "content": answer(a)}] for _, a in pairs],
     })
-    # One progress bar for the warm start; no per-step log dicts, no dataset-preparation bars.
-    config = SFTConfig(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch_size,
-                       learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
-                       save_strategy="no", report_to=report_to, use_cpu=use_cpu, bf16=cpu_precision_default(use_cpu),
-                       seed=seed, disable_tqdm=not progress, log_level="warning")
-    bars = datasets.utils.logging.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
-    result = trainer.train()
-    return {"warmstart_loss": float(result.training_loss), "warmstart_examples": len(dataset)}
+    with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch:
+        # One progress bar for the warm start; no per-step log dicts, no dataset-preparation bars.
+        config = SFTConfig(output_dir=output_dir or scratch, max_steps=steps, per_device_train_batch_size=batch_size,
+                           learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
+                           save_strategy="no", report_to=report_to, use_cpu=use_cpu,
+                           bf16=cpu_precision_default(use_cpu), seed=seed, disable_tqdm=not progress,
+                           log_level="warning")
+        bars = datasets.utils.logging.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        try:
+            trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
+        finally:
+            if bars:
+                datasets.enable_progress_bars()
+        # The bar (with progress), without the Trainer's unlabelled dict of run statistics at the end.
+        trainer.callback_handler.remove_callback(PrinterCallback)
+        if progress:
+            trainer.callback_handler.remove_callback(ProgressCallback)
+            trainer.add_callback(BarOnly())
+        result = trainer.train()
+    metrics = {"warmstart_loss": float(result.training_loss), "warmstart_examples": len(dataset)}
+    if progress:
+        tqdm.write(f"[warm start] {steps} steps on {len(dataset):,} (prompt, admissible action) pairs in "
+                   f"{time.time() - start:.0f} s: loss {metrics['warmstart_loss']:.3f}")
+    return metrics

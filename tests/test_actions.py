@@ -54,3 +54,15 @@ def test_bad_mode_and_non_text():
 def test_invalid_tail_keeps_the_end_of_the_output():
     assert invalid_tail("x" * 50 + " I will  go\nto the hall") == ("x" * 50 + " I will go to the hall")[-30:]
     assert invalid_tail("") == ""
+
+
+def test_an_admissible_action_matches_up_to_case_and_the_spaces_a_word_level_tokenizer_puts_around_brackets():
+    from hgpo_trl.actions import match_admissible
+
+    admissible = ["search[<your query>]", "click[B07XYZ]", "click[back to search]", "go to hall"]
+    assert match_admissible("search [ < your query > ]", admissible) == "search[<your query>]"
+    assert match_admissible("click [ b07xyz ]", admissible) == "click[B07XYZ]"  # as the environment writes it
+    assert match_admissible("go to hall", admissible) == "go to hall"
+    assert match_admissible("go to  hall ", admissible) == "go to hall"
+    assert match_admissible("click [ back ]", admissible) is None and match_admissible("go tohall", admissible) is None
+    assert match_admissible(None, admissible) is None

@@ -21,6 +21,16 @@ def no_package(*names):
     return setup
 
 
+def with_a_gpu_without(*names):
+    """A machine that shows a GPU (simulated) but lacks the package."""
+    def setup(monkeypatch, tmp_path):
+        import torch
+
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        no_package(*names)(monkeypatch, tmp_path)
+    return setup
+
+
 def deepspeed_file(monkeypatch, tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     no_package("deepspeed")(monkeypatch, tmp_path)
@@ -36,11 +46,16 @@ ROWS = [
     # Wrong types
     ("float-for-int", "history_length: 2.5\n", [], None, r"HGPOConfig\.history_length", r"must be int, got 2\.5"),
     ("list-for-float", "gamma: [0.9]\n", [], None, r"HGPOConfig\.gamma", r"must be float, int"),
-    ("word-for-float", "gamma: high\n", [], None, r"--gamma", r"invalid float value: 'high'"),
-    ("word-for-bool", "require_think: maybe\n", [], None, r"--require_think", r"expected one of yes/no, true/false"),
+    ("word-for-float", "gamma: high\n", [], None, r"HGPOConfig\.gamma", r"must be float, int, got 'high' \(.*c\.yaml\)"),
+    ("quoted-word-for-int", 'train_iterations: "ten"\n', [], None, r"HGPOConfig\.train_iterations",
+     r"must be None, int, got 'ten' \(.*c\.yaml\)"),
+    ("word-for-bool", "require_think: maybe\n", [], None, r"HGPOConfig\.require_think", r"must be bool, got 'maybe'"),
     ("word-on-command-line", "", ["--tasks_per_device", "two"], None, r"--tasks_per_device", r"invalid int value"),
     ("list-for-dict", "env_kwargs: [1, 2]\n", [], None, r"HGPOConfig\.env_kwargs", r"must be None, dict, str"),
-    ("broken-env-json", "", ["--env_kwargs", "{broken"], None, r"HGPOConfig\.env_kwargs", r"must be a mapping \(JSON"),
+    ("broken-env-json", "", ["--env_kwargs", "{broken"], None, r"HGPOConfig\.env_kwargs",
+     r"must be a mapping such as '\{max_steps: 30\}' \(YAML or JSON\)"),
+    ("broken-task-yaml", "", ["--task_kwargs", "{num_rooms: [}"], None, r"EnvArguments\.task_kwargs",
+     r"must be a mapping such as '\{num_rooms: 3\}' \(YAML or JSON\): cannot read"),
     ("broken-task-json", "task_kwargs: '{broken'\n", [], None, r"EnvArguments\.task_kwargs", r"must be a mapping"),
     ("list-task-json", "", ["--task_kwargs", "[1]"], None, r"EnvArguments\.task_kwargs", r"must be a mapping"),
     # Out of range
@@ -64,11 +79,19 @@ ROWS = [
     ("train-iterations", "train_iterations: 0\n", [], None, r"HGPOConfig\.train_iterations", r"None or >= 1"),
     # Unknown names
     ("estimator", "estimator: ppo\n", [], None, r"HGPOConfig\.estimator", r"one of \['gigpo', 'grpo', 'hgpo'"),
+    ("estimator-typo", "estimator: gipgo\n", [], None, r"HGPOConfig\.estimator", r"got 'gipgo' \(did you mean 'gigpo'\?\)"),
+    ("env-name-typo", "env_name: keydor\n", [], None, r"HGPOConfig\.env_name: unknown environment 'keydor'",
+     r"did you mean 'keydoor'\?"),
+    # A GPU config on this CPU machine: one line naming the fields to change
+    ("vllm-on-cpu", "use_vllm: true\n", [], None, r"HGPOConfig: this config needs a GPU and no GPU is visible",
+     r"tiny_cpu\.yaml\), or set use_vllm: false \(e\.g\. --use_vllm false\)"),
+    ("bf16-without-gpu", "bf16: true\n", ["--use_cpu", "false"], None, r"HGPOConfig: this config needs a GPU and no GPU",
+     r"set bf16: false"),
     ("action-mode", "action_mode: json\n", [], None, r"HGPOConfig\.action_mode", r"one of \('tags', 'plain'\)"),
     ("invalid-action", "invalid_action: retry\n", [], None, r"HGPOConfig\.invalid_action", r"one of \('noop'"),
     ("advantage-norm", "advantage_norm: zscore\n", [], None, r"HGPOConfig\.advantage_norm", r"one of"),
     ("env-name", "env_name: minecraft\n", [], None, r"HGPOConfig\.env_name: unknown environment 'minecraft'",
-     r"registered: \['alfworld', 'keydoor', 'webshop'\]"),
+     r"registered: \['alfworld', 'gymnasium', 'keydoor', 'textarena', 'webshop'\]"),
     # Batch sizes (TRL: the generation batch must hold whole groups of num_generations)
     ("batch-vs-generations", "num_generations: 3\nper_device_train_batch_size: 16\n", [], None,
      r"generation_batch_size \(16\) must be divisible by num_generations \(3\)",
@@ -90,7 +113,7 @@ ROWS = [
      r"Expected a string path to an existing deepspeed config"),
     ("no-model", "model_name_or_path: ''\n", [], None, r"ModelConfig\.model_name_or_path", r"a hub id, a local path"),
     # Missing optional packages (simulated: each row hides the package)
-    ("no-vllm", "use_vllm: true\n", [], no_package("vllm"), r"HGPOConfig\.use_vllm=True",
+    ("no-vllm", "use_vllm: true\n", [], with_a_gpu_without("vllm"), r"HGPOConfig\.use_vllm=True",
      r'pip install "hgpo-trl\[vllm\]"'),
     ("no-alfworld", "env_name: alfworld\n", [], no_package("alfworld"), r"HGPOConfig\.env_name='alfworld'",
      r'pip install "hgpo-trl\[alfworld\]"'),

@@ -287,3 +287,21 @@ def test_hgpo_eval_plays_the_same_games_as_the_trainers_evaluation(tmp_path, tin
            [(r["prompt"], r["output"]) for r in sorted(theirs, key=key)]
     assert metrics["eval_success_rate"] == 0.0 == json.loads(
         (tmp_path / "eval" / "evaluation.json").read_text())["results"][0]["success_rate"]["mean"]
+
+
+def test_results_go_beside_the_evaluated_model_and_never_over_an_earlier_one(tmp_path, tiny_model_path, capsys):
+    import shutil
+
+    model = tmp_path / "run" / "checkpoint-7"
+    shutil.copytree(tiny_model_path, model)
+    command = ["--config", config(tmp_path, KEYDOOR, str(model)), "--seeds", "1"]
+    evaluate.main(command)
+    first = json.loads((model / "evaluation" / "evaluation.json").read_text())
+    evaluate.main([*command, "--greedy"])
+    assert f"{model / 'evaluation'} already holds an evaluation; writing this one to {model / 'evaluation-1'}" in \
+        capsys.readouterr().out
+    assert json.loads((model / "evaluation" / "evaluation.json").read_text()) == first  # untouched
+    assert json.loads((model / "evaluation-1" / "evaluation.json").read_text())["temperature"] == 0.0
+    # Reference players alone go to the config's output_dir; a model is not needed.
+    evaluate.main(["--config", config(tmp_path, KEYDOOR), "--seeds", "1", "--policy", "random"])
+    assert (tmp_path / "run" / "evaluation" / "evaluation.json").is_file()

@@ -30,6 +30,6 @@ def test_no_source_evaluates_unpickles_or_shells_out():
 
 def test_remote_code_is_off_unless_the_config_asks(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("model_name_or_path: Qwen/Qwen2.5-1.5B-Instruct\noutput_dir: out\nuse_cpu: true\n")
+    config.write_text("model_name_or_path: tiny\noutput_dir: out\nuse_cpu: true\n")
     _, args, _ = parse(["--config", str(config)])
     assert args.trust_remote_code is False  # TrainingArguments' field, which load_model forwards

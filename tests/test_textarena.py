@@ -241,7 +241,7 @@ def test_train_py_trains_the_tiny_model_on_secretary_with_env_workers(tmp_path, 
     from hgpo_trl.cli import main
 
     config = tmp_path / "secretary.yaml"
-    config.write_text(SECRETARY_RUN.format(out=tmp_path / "out"))
+    config.write_text(SECRETARY_RUN.format(out=tmp_path / "out") + "console_metrics: true\n")  # the dicts too
     main(["--config", str(config)])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["iterations"] == summary["optimizer_steps"] == 2 and 0 <= summary["success_rate_end"] <= 1
