@@ -107,12 +107,15 @@ class _Parser(TrlParser):
         raise ConfigError(f"{message} (python {self.prog} --help lists every field)")
 
 
+TRAINING_ARGUMENTS_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments))
+
+
 def help_group(section: type, name: str) -> str:
     """The --help group of field `name` of dataclass `section`."""
     if section is HGPOConfig:
         if name in vars(HGPOConfig)["__annotations__"]:  # declared (or overridden) by HGPOConfig itself
             return f"HGPOConfig: {help_section(name)}"
-        if name in vars(GRPOConfig).get("__annotations__", {}) or name not in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        if name in vars(GRPOConfig).get("__annotations__", {}) or name not in TRAINING_ARGUMENTS_FIELDS:
             return "TRL GRPOConfig: generation, loss, vLLM"
         return "Transformers TrainingArguments: optimizer, precision, logging, saving"
     if section is ModelConfig:
@@ -144,12 +147,13 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
     from a YAML config (`--config`) and command-line overrides, checked as `parse` documents."""
     argv = list(sys.argv[1:] if argv is None else argv)
     sections = (*extra, EnvArguments, HGPOConfig, ModelConfig)
+    config: dict[str, Any] = {}
     if "--config" in argv:
         if argv.index("--config") + 1 == len(argv):
             raise ConfigError("--config needs the path of a YAML file")
-        check_yaml_types(argv[argv.index("--config") + 1], sections, prog)
+        config = check_yaml_types(argv[argv.index("--config") + 1], sections, prog)
     # Before parsing: HGPOConfig checks `estimator` against the registered estimators as it is built.
-    import_env_modules(requested_env_modules(argv))
+    import_env_modules(requested_env_modules(argv, config))
     # No abbreviations: a misspelt option fails as a misspelt YAML key does, rather than setting a neighbour.
     parser = _Parser(sections, prog)
     options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
@@ -172,7 +176,7 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
     if args.env_name not in registered_envs():
         raise ConfigError(f"HGPOConfig.env_name: unknown environment {args.env_name!r}{did_you_mean(args.env_name, registered_envs())}; "
                           f"registered: {registered_envs()}")
-    warn_unread_options(args.estimator, user_keys(argv), argv)
+    warn_unread_options(args.estimator, user_keys(argv, config), argv)
     return *parsed, env_args, args, model_args
 
 
@@ -193,12 +197,9 @@ def did_you_mean(name: str, known) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def user_keys(argv: list[str]) -> list[str]:
+def user_keys(argv: list[str], config: dict[str, Any]) -> list[str]:
     """The fields the user set: the YAML config's keys and the command line's options (never the defaults)."""
-    keys = [a[2:].split("=")[0] for a in argv if a.startswith("--")]
-    if "--config" in argv:
-        keys += [str(k) for k in yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())]
-    return keys
+    return [a[2:].split("=")[0] for a in argv if a.startswith("--")] + [str(k) for k in config]
 
 
 def warn_unread_options(estimator: str, keys: list[str], argv: list[str]) -> None:
@@ -211,11 +212,9 @@ def warn_unread_options(estimator: str, keys: list[str], argv: list[str]) -> Non
                      f"{'it' if len(unread) == 1 else 'them'}; it reads {', '.join(estimator_fields(estimator))}")
 
 
-def requested_env_modules(argv: list[str]) -> list[str]:
+def requested_env_modules(argv: list[str], config: dict[str, Any]) -> list[str]:
     """`env_modules` from the YAML config, or from the command line, which wins (read ahead of the parser)."""
-    names: Any = []
-    if "--config" in argv:
-        names = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()).get("env_modules") or []
+    names: Any = config.get("env_modules") or []
     if "--env_modules" in argv:
         names = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[argv.index("--env_modules") + 1:]))
     return [names] if isinstance(names, str) else list(names)
@@ -232,10 +231,10 @@ def import_env_modules(names: list[str]) -> None:
             raise ConfigError(f"EnvArguments.env_modules: cannot import {name!r}: {type(err).__name__}: {err}") from None
 
 
-def check_yaml_types(path: str, sections: tuple[type, ...], prog: str) -> None:
-    """A YAML value of the wrong type (a list where a number belongs, ...) fails here with the field's name,
-    not later inside a dependency; a string must read as one of the field's types ("ten" is no int), as the
-    parser will convert it."""
+def check_yaml_types(path: str, sections: tuple[type, ...], prog: str) -> dict[str, Any]:
+    """The config file's mapping, checked: a YAML value of the wrong type (a list where a number belongs, ...)
+    fails here with the field's name, not later inside a dependency; a string must read as one of the field's
+    types ("ten" is no int), as the parser will convert it."""
     try:
         config = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as err:
@@ -255,6 +254,7 @@ def check_yaml_types(path: str, sections: tuple[type, ...], prog: str) -> None:
             if expected and (not _reads_as(value, expected) if isinstance(value, str) else not isinstance(value, expected)):
                 names = ", ".join(sorted({"None" if t is type(None) else t.__name__ for t in expected}))
                 raise ConfigError(f"{section.__name__}.{f.name} must be {names}, got {config[f.name]!r} ({path})")
+    return config
 
 
 def check_known(names: list[str], known: set[str], where: str, prog: str) -> None:

@@ -99,12 +99,13 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
         # (a resumed run has it in its log history)
         trainer.add_callback(EvaluationBeforeTraining(trainer.evaluate()))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    trainer.save_model(args.output_dir)
+    trainer.save_model(args.output_dir)  # before the final evaluation: nothing trained is lost if it fails
     before = start_evaluation(trainer.state.log_history)
     # The cadence may just have evaluated these weights (eval_every_iterations evaluates after the last iteration).
     last = next((h for h in reversed(trainer.state.log_history) if "eval_success_rate" in h), {})
     fresh = last.get("step") == trainer.state.global_step and not args.load_best_model_at_end
     after = (last if fresh else trainer.evaluate()) if eval_tasks is not None else {}
+    trainer.create_model_card()  # again, now with the final evaluation
     summary = {
         "success_rate_start": before.get("eval_success_rate"),
         "success_rate_end": after.get("eval_success_rate"),
@@ -115,7 +116,6 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
         "config": {"env": dataclasses.asdict(env_args), "trainer": args.to_dict(),
                    "model": dataclasses.asdict(model_args)},
     }
-    trainer.create_model_card()  # with the final evaluation
     if trainer.accelerator.is_main_process:
         write_summary(args.output_dir, summary)
         if env_args.plots:
