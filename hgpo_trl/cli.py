@@ -75,7 +75,8 @@ def run_warm_start(model, tokenizer, env_args: EnvArguments, args: HGPOConfig, t
                       history_length=args.history_length, max_steps=args.max_env_steps,
                       action_mode=args.action_mode, format_instruction=args.format_instruction,
                       batch_size=env_args.warmstart_batch_size, learning_rate=env_args.warmstart_learning_rate,
-                      seed=args.seed, use_cpu=args.use_cpu, progress=not args.disable_tqdm)
+                      seed=args.seed, use_cpu=args.use_cpu, progress=not args.disable_tqdm,
+                      gradient_checkpointing=args.gradient_checkpointing)
 
 
 def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> dict[str, Any]:
@@ -110,6 +111,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
         "success_rate_start": before.get("eval_success_rate"),
         "success_rate_end": after.get("eval_success_rate"),
         "iterations": trainer.completed_iterations,
+        "stopped_early": trainer.early_stop.reason,  # None: every train_iteration ran
         "optimizer_steps": trainer.state.global_step,
         "wall_seconds": round(time.time() - start, 1),
         **warmstart,
@@ -142,8 +144,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:  # found while loading the tasks or the model, before any training
         print(f"train.py: configuration error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
     print(f"validation success {rounded(summary['success_rate_start'])} -> {rounded(summary['success_rate_end'])} in "
-          f"{summary['iterations']} iterations, {summary['wall_seconds']:.0f} s; see {args.output_dir}/summary.json")
+          f"{summary['iterations']} iterations{early}, {summary['wall_seconds']:.0f} s; see "
+          f"{args.output_dir}/summary.json")
 
 
 def rounded(value: float | None) -> str:

@@ -160,6 +160,12 @@ class HGPOConfig(GRPOConfig):
         default=0.4, metadata={"help": "Sampling temperature of evaluate(); 0 means greedy."})
     eval_max_tasks: int | None = field(
         default=None, metadata={"help": "Evaluate on at most this many tasks of eval_dataset."})
+    early_stop_success: float | None = field(
+        default=None, metadata={"help": "Stop the run once validation success has been at or above this value for "
+                                        "early_stop_patience evaluations in a row (the summary says so); None: "
+                                        "train all train_iterations. Needs evaluations during training."})
+    early_stop_patience: int = field(
+        default=2, metadata={"help": "Consecutive evaluations at or above early_stop_success that stop the run."})
 
     logging_steps: float = field(
         default=1, metadata={"help": "Log every this many optimizer steps (TRL's default is 10): with 1, every "
@@ -198,6 +204,11 @@ class HGPOConfig(GRPOConfig):
                 f"{err} (TRL's check: per_device_train_batch_size x processes x steps_per_generation step samples "
                 f"per iteration must be a multiple of num_generations ({self.num_generations}); set "
                 "per_device_train_batch_size or steps_per_generation accordingly)") from None
+        if (self.early_stop_success is not None and self.eval_every_iterations is None
+                and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no"):
+            raise ValueError("HGPOConfig.early_stop_success stops on validation success, and this run never "
+                             "evaluates during training: set eval_every_iterations (or eval_strategy: steps and "
+                             "eval_steps)")
         if self.step_batching == "all_steps":
             if self.world_size != processes:
                 raise ValueError(f"HGPOConfig: WORLD_SIZE says {processes} processes but the Trainer sees "
@@ -296,6 +307,9 @@ class HGPOConfig(GRPOConfig):
             ("env_reset_timeout", self.env_reset_timeout is None or self.env_reset_timeout > 0,
              "None or > 0 seconds"),
             ("eval_max_tasks", self.eval_max_tasks is None or self.eval_max_tasks >= 1, "None or an integer >= 1"),
+            ("early_stop_success", self.early_stop_success is None or 0.0 < self.early_stop_success <= 1.0,
+             "None or in (0, 1]"),
+            ("early_stop_patience", self.early_stop_patience >= 1, "an integer >= 1"),
             ("diagnostics_every", self.diagnostics_every >= 0, "an integer >= 0 (0: never)"),
             ("trajectory_dump_every", self.trajectory_dump_every >= 0, "an integer >= 0 (0: never)"),
             ("max_faulty_iterations", self.max_faulty_iterations >= 0, "an integer >= 0 (0: never stop)"),

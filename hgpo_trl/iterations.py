@@ -50,6 +50,32 @@ class IterationCadence(TrainerCallback):
             control.should_training_stop = True
 
 
+class EarlyStop(TrainerCallback):
+    """Stops the run once validation success has been at or above `early_stop_success` for
+    `early_stop_patience` evaluations in a row (the success rate is the gathered one, so every process stops
+    together); `reason` says why for the summary."""
+
+    def __init__(self, trainer: HGPOTrainer):
+        self.trainer = trainer
+        self.streak = 0
+        self.reason: str | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.streak = 0  # the evaluation before training (and a resumed run's past) does not count
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        success = (metrics or {}).get("eval_success_rate")
+        if args.early_stop_success is None or success is None:
+            return
+        self.streak = self.streak + 1 if success >= args.early_stop_success else 0
+        last = (self.trainer.completed_iterations >= args.train_iterations if args.train_iterations is not None
+                else state.global_step >= state.max_steps)
+        if self.streak >= args.early_stop_patience and not last:
+            control.should_training_stop = True
+            self.reason = (f"stopped early: validation success >= {args.early_stop_success:g} at "
+                           f"{self.streak} evaluation{'s' * (self.streak > 1)} in a row")
+
+
 class IterationProgress(ProgressCallback):
     """The Trainer's progress bar, counted in iterations when the run is (its own counts optimizer steps up to
     `max_steps`, which under all_steps is only an upper bound), and without the Trainer's printed metrics dicts

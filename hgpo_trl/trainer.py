@@ -51,7 +51,7 @@ from hgpo_trl.generation import (
     prompts_per_call,
     slices_by_position,
 )
-from hgpo_trl.iterations import IterationCadence, IterationCount, iteration_schedule
+from hgpo_trl.iterations import EarlyStop, IterationCadence, IterationCount, iteration_schedule
 from hgpo_trl.metrics import SampleCounts, combine_processes, iteration_metrics
 from hgpo_trl.model_card import render_model_card
 from hgpo_trl.reporting import quiet_console, transformers_bars_off
@@ -156,12 +156,17 @@ class HGPOTrainer(GRPOTrainer):
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
         if args.eval_every_iterations and eval_dataset is None:
             raise ValueError("HGPOConfig.eval_every_iterations needs an eval_dataset of task rows")
+        if args.early_stop_success is not None and eval_dataset is None:
+            raise ValueError("HGPOConfig.early_stop_success needs an eval_dataset of task rows (it stops on "
+                             "validation success)")
         if args.step_batching == "all_steps" and self.is_deepspeed_enabled and \
                 self.accelerator.state.deepspeed_plugin.deepspeed_config.get("scheduler"):
             raise ValueError("step_batching='all_steps' schedules the learning rate by iteration: remove the "
                              "'scheduler' section of the DeepSpeed config (it would step per optimizer step over "
                              "max_steps, only an upper bound) and set lr_scheduler_type instead")
         self.add_callback(IterationCadence(self))
+        self.early_stop = EarlyStop(self)
+        self.add_callback(self.early_stop)
         quiet_console(self)
 
     # ------------------------------------------------------------------ tasks

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hgpo_trl.cli import ConfigError, parse
+from hgpo_trl.cli import ConfigError, main, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
@@ -54,6 +54,8 @@ BAD = [
     ("history_length: -2\n", "HGPOConfig.history_length must be an integer >= 0"),
     ("task_kwargs: '{broken'\n", "EnvArguments.task_kwargs must be a mapping"),
     ("num_generations: 3\nper_device_train_batch_size: 16\n", r"generation_batch_size \(16\) must be divisible by"),
+    ("early_stop_success: 1.5\neval_every_iterations: 1\n", r"HGPOConfig.early_stop_success must be None or in \(0, 1\]"),
+    ("early_stop_success: 0.9\n", "early_stop_success stops on validation success, and this run never evaluates"),
 ]
 
 
@@ -313,3 +315,37 @@ def test_help_lists_config_and_groups_the_fields_ours_first(capsys):
     assert group_of("--num_generations") == "TRL GRPOConfig: generation, loss, vLLM"
     assert group_of("--model_name_or_path") == "TRL ModelConfig: model, dtype, LoRA"
     assert group_of("--seed") == "Transformers TrainingArguments: optimizer, precision, logging, saving"
+
+
+def test_early_stop_ends_the_run_once_validation_holds_and_says_why(tmp_path, capsys):
+    config = write(tmp_path, TINY_RUN + """invalid_action: end_episode
+admissible_only: true
+tiny_hidden_size: 64
+tiny_num_layers: 2
+task_kwargs: {num_rooms: 3, num_colors: 3}
+warmstart_steps: 60
+warmstart_batch_size: 32
+warmstart_learning_rate: 3.0e-3
+num_eval_tasks: 11
+eval_temperature: 0.0
+learning_rate: 0.0
+train_iterations: 6
+eval_every_iterations: 1
+early_stop_success: 0.01
+early_stop_patience: 2
+save_strategy: "no"
+""")
+    main(["--config", config])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    # Greedy evaluation of weights that learning_rate 0 keeps: every evaluation scores what the first did.
+    assert summary["success_rate_start"] > 0.01, "the warm-started model must already succeed sometimes"
+    assert summary["iterations"] == 2, "two evaluations during training at >= 0.01 stop it after iteration 2"
+    assert summary["stopped_early"] == "stopped early: validation success >= 0.01 at 2 evaluations in a row"
+    assert "in 2 iterations (stopped early: validation success >= 0.01" in capsys.readouterr().out
+
+
+def test_a_run_that_ends_by_its_iterations_says_none(tmp_path):
+    config = write(tmp_path, TINY_RUN + "warmstart_steps: 0\ntrain_iterations: 1\nsave_strategy: \"no\"\n"
+                   "early_stop_success: 1.0\neval_every_iterations: 1\n")
+    main(["--config", config])
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["stopped_early"] is None
