@@ -86,7 +86,7 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
     steps (about one pass over fresh pairs); return its metrics. With `progress`, one bar and one `[warm start]`
     line. `output_dir`: where the SFT trainer may write (its logs under `report_to`); None: a temporary folder.
-`gradient_checkpointing`: as the RL run's (recomputing activations costs a tiny model a third of its step).
+    `gradient_checkpointing`: as the RL run's (recomputing activations costs a tiny model a third of its step).
 
     The completion is the action itself (`plain` mode) or `<think> </think><action>A</action>` (`tags` mode).
     """
