@@ -6,9 +6,11 @@ BIN := $(VENV)/bin
 # The CPU build of torch (a bare `torch` requirement can resolve to a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
 # uv installs the packages (from its cache in seconds where pip took 2.5 minutes); pip only installs uv. uv
-# does not read pip's configuration: its find-links (where this machine keeps the CPU torch wheel) are passed on.
+# does not read pip's configuration files: the PIP_ variables for find-links (where this machine keeps the CPU
+# torch wheel) and indexes are passed on.
 UV ?= uv>=0.9,<1
-UV_FIND_LINKS := $(foreach link,$(PIP_FIND_LINKS),--find-links $(link))
+UV_FIND_LINKS := $(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) \
+	$(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) $(foreach url,$(PIP_EXTRA_INDEX_URL),--extra-index-url $(url))
 TEST_EXTRAS ?= dev,deepspeed,alfworld,textarena,gymnasium
 DEMO_EXTRAS ?= dev
 

@@ -52,26 +52,32 @@ class IterationCadence(TrainerCallback):
 
 class EarlyStop(TrainerCallback):
     """Stops the run once validation success has been at or above `early_stop_success` for
-    `early_stop_patience` evaluations in a row (the success rate is the gathered one, so every process stops
-    together); `reason` says why for the summary."""
+    `early_stop_patience` evaluations in a row during training (the success rate is the gathered one, so every
+    process stops together), and checkpoints the weights it stopped at; `reason` says why for the summary.
+    Evaluations before training (cli's, `eval_on_start`) and after it, and a resumed run's past, do not count."""
 
     def __init__(self, trainer: HGPOTrainer):
         self.trainer = trainer
         self.streak = 0
+        self.training = False
         self.reason: str | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.streak = 0  # the evaluation before training (and a resumed run's past) does not count
+        self.streak, self.training, self.reason = 0, True, None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.training = False
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         success = (metrics or {}).get("eval_success_rate")
-        if args.early_stop_success is None or success is None:
+        if args.early_stop_success is None or success is None or not self.training or state.global_step == 0:
             return
         self.streak = self.streak + 1 if success >= args.early_stop_success else 0
         last = (self.trainer.completed_iterations >= args.train_iterations if args.train_iterations is not None
                 else state.global_step >= state.max_steps)
         if self.streak >= args.early_stop_patience and not last:
             control.should_training_stop = True
+            control.should_save = True  # (decided after on_evaluate; a best-checkpoint strategy still applies)
             self.reason = (f"stopped early: validation success >= {args.early_stop_success:g} at "
                            f"{self.streak} evaluation{'s' * (self.streak > 1)} in a row")
 

@@ -333,9 +333,12 @@ train_iterations: 6
 eval_every_iterations: 1
 early_stop_success: 0.01
 early_stop_patience: 2
-save_strategy: "no"
+save_strategy: steps
+save_steps: 50
 """)
     main(["--config", config])
+    # The weights it stopped at are checkpointed (save_steps alone would have kept none).
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     # Greedy evaluation of weights that learning_rate 0 keeps: every evaluation scores what the first did.
     assert summary["success_rate_start"] > 0.01, "the warm-started model must already succeed sometimes"

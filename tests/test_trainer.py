@@ -399,3 +399,16 @@ def test_prompts_are_fitted_to_the_model_context_by_default(tmp_path, tiny_token
     assert max(h["prompt/history_cut"] for h in logs) > 0  # a 64-token context cannot hold 3 history pairs
     rollout = trainer._play(list(make_tasks("keydoor", "train", num_tasks=2)), 2, 1.0)
     assert all(len(trainer._encode_prompt(s.prompt)) <= 60 or s.over_budget for s in rollout.steps)
+
+
+def test_early_stop_counts_only_evaluations_during_training(tmp_path, tiny_model, tiny_tokenizer):
+    # The evaluation before training (cli's, or eval_on_start) neither stops the run nor leaves a reason.
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(
+        tmp_path, early_stop_success=0.5, early_stop_patience=1, eval_every_iterations=1, train_iterations=2))
+    control = trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control,
+                                                   {"eval_success_rate": 1.0})
+    assert not control.should_training_stop and trainer.early_stop.reason is None
+    trainer.train()  # the untrained tiny model scores 0: both iterations run
+    assert trainer.completed_iterations == 2 and trainer.early_stop.reason is None
+    trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, {"eval_success_rate": 1.0})
+    assert trainer.early_stop.reason is None, "an evaluation after training does not count either"
