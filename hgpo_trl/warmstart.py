@@ -21,6 +21,7 @@ from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from trl import SFTConfig, SFTTrainer
+from trl.data_utils import common_prefix_length
 
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.config import cpu_precision_default
@@ -145,7 +146,6 @@ def sft_dataset(tokenizer, pairs: Sequence[tuple[str, str]], answer: Callable[[s
     full_ids = tokenizer([chat(p, a) for p, a in pairs], add_special_tokens=False)["input_ids"]
     labels = []
     for (prompt, _), ids in zip(pairs, full_ids, strict=True):
-        start = next((i for i, (x, y) in enumerate(zip(prompt_ids[prompt], ids, strict=False)) if x != y),
-                     min(len(prompt_ids[prompt]), len(ids)))
+        start = common_prefix_length(prompt_ids[prompt], ids)
         labels.append([-100] * start + ids[start:])
     return Dataset.from_dict({"input_ids": full_ids, "labels": labels})
