@@ -1,0 +1,5 @@
+import sys
+
+from hgpo_trl.lab.report import main
+
+sys.exit(main())
