@@ -6,6 +6,6 @@ advantages from the library's own estimators on one stacked `StepBatch` (`learn`
 inconsistency x group size x memory window (`sweep`) and reports curves, AUC, paired differences from GiGPO
 and the advantages' bias against exact values (`stats`, `report`).
 
-    python -m hgpo_trl.lab --quick        # about a minute
+    python -m hgpo_trl.lab --quick        # seconds
     python -m hgpo_trl.lab                # the full sweep
 """

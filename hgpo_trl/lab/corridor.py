@@ -3,8 +3,8 @@
 At the entrance the agent takes the key (next observation: "You hold the key.") or goes on without it. It then
 walks a corridor of `length` sections, at each one going on or turning back (which ends the episode), to a door:
 opening it with the key is the success (reward 10, as ALFWorld's); without the key, or turning back, ends with 0.
-Every path to a place takes the same number of steps, so a state's value depends on where the agent is and on
-whether it holds the key, never on the time.
+Nothing runs out with time (an episode ends only at the door or by turning back), so a state's value depends on
+where the agent is and on whether it holds the key, never on the step count.
 
 Two kinds of task share the start: in a *clear* task a key holder's corridor and door observations show the key
 ("... The key glints in your hand."); in a *hiding* task they read exactly as a key-less agent's. `inconsistency`,
@@ -13,7 +13,7 @@ one history, so HGPO's levels, GiGPO's anchor groups and the whole-history oracl
 With hiding tasks, steps that share an observation have histories that change their value (10 with the key, 0
 without), the context inconsistency HGPO's deeper levels are for; only "You hold the key." tells them apart, and
 a level sees it only while it is within its last K observations. The knob changes the batch, not what a task
-asks: every task has the same optimal policy and the same number of contexts to learn.
+asks: every task has the same optimal policy (take the key, go on, open the door).
 
 The policy reads what a memory-window prompt shows, `hgpo_trl.memory.Memory.window(H)` plus the current
 observation, so the lab's policy conditions on exactly what an LLM's prompt would hold (less the template).
@@ -24,6 +24,7 @@ window), with their transitions, from which rollouts are a table lookup and valu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -53,8 +54,9 @@ class Corridor:
     """The Markov chain of (task kind, environment state, memory window) under any policy over windows.
 
     Node 0 is the clear task's entrance, node 1 the hiding task's. Per node (a state at step t): `obs` its
-    observation id, `context` the id of what the policy sees (window + observation), `aliased` whether its
-    observation is reached both with and without the key. Per (node, action slot a in 0..1): `allowed`, `reward`,
+    observation id, `context` the id of what the policy sees (window + observation), `aliased` whether it is a
+    hiding task's node whose observation that task reaches both with and without the key (groups never span task
+    groups, so a clear task's steps are never mixed with a hiding task's). Per (node, action slot a in 0..1): `allowed`, `reward`,
     `success`, `done` (the episode ends) and `child`."""
 
     history_length: int
@@ -73,6 +75,16 @@ class Corridor:
     observations: tuple[str, ...]  # text of each observation id
     contexts: tuple[tuple, ...]  # what the policy sees in each context id: (window pairs, observation)
     actions: tuple[tuple[str, ...], ...]  # per node: the admissible action texts, in slot order
+
+    @cached_property
+    def texts(self) -> np.ndarray:
+        """Per node: its observation text (an object array, for StepBatch.obs)."""
+        return np.array(self.observations, dtype=object)[self.obs]
+
+    @cached_property
+    def action_texts(self) -> np.ndarray:
+        """(nodes, 2): the text of each action slot ("" where the node has no such slot)."""
+        return np.array([(*names, "")[:2] for names in self.actions], dtype=object)
 
     @property
     def max_steps(self) -> int:

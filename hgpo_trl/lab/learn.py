@@ -7,12 +7,14 @@ Per iteration, for every seed at once:
 2. Rollouts: `tasks` task groups of `group_size` episodes per seed, vectorised over seeds and episodes; each
    seed's random numbers depend only on (seed, iteration), so every estimator sees the same draws while it acts
    like another (common random numbers: comparisons on the same seeds are paired).
-3. One `StepBatch` for all seeds, the seeds' task groups disjoint: the estimators see exactly what the trainer
-   would give them (`obs` the observation id, `action` the action slot, every step valid).
+3. One `StepBatch` for all seeds, the seeds' task groups disjoint: the estimators see what the trainer
+   gives them: `obs` the observation text (ProGPO pools texts that differ only in digits, as in training),
+   `action` the action text, every step valid.
 4. Advantages rescaled to unit standard deviation per seed: estimators differ in scale (GiGPO sums two terms,
    HGPO averages levels), so one learning rate then compares their directions, not their step sizes.
 5. One policy-gradient step per seed, the mean over its steps of `A_i * grad log pi(a_i | context_i)`, with
-   plain SGD on the logits: `theta[c] += lr * mean_i A_i (onehot(a_i) - pi(. | c))` for the rows i in context c.
+   plain SGD on the logits: `theta[c] += lr * (1/n) sum_{i in c} A_i (onehot(a_i) - pi(. | c))`, the sum over the
+   seed's rows in context c and n the seed's number of steps.
 """
 
 from __future__ import annotations
@@ -115,9 +117,9 @@ def step_batch(corridor: Corridor, steps: Steps, setting: Setting) -> StepBatch:
     """The library's StepBatch of all seeds: seed s's task groups and episodes get ids of their own."""
     episodes = setting.tasks * setting.group_size
     return StepBatch(group=steps.seed * setting.tasks + steps.episode // setting.group_size,
-                     traj=steps.seed * episodes + steps.episode, step=steps.t, obs=corridor.obs[steps.node],
+                     traj=steps.seed * episodes + steps.episode, step=steps.t, obs=corridor.texts[steps.node],
                      reward=corridor.reward[steps.node, steps.action], valid=np.ones(steps.t.size, dtype=bool),
-                     action=steps.action)
+                     action=corridor.action_texts[steps.node, steps.action])
 
 
 def unit_scale(advantages: np.ndarray, seed: np.ndarray, seeds: int) -> np.ndarray:

@@ -164,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m hgpo_trl.lab", description="The estimator lab (issue 22): "
                                      "how fast each advantage estimator makes a tabular policy learn the corridor.")
-    parser.add_argument("--quick", action="store_true", help="2 settings and 6 estimators: about a minute")
-    parser.add_argument("--seeds", type=int, help="seeds per row (default: the preset's, 100)")
+    parser.add_argument("--quick", action="store_true", help="2 settings x 7 estimators: seconds")
+    parser.add_argument("--seeds", type=int, help="seeds per row (default: the preset's: 100 quick, 200 full)")
     parser.add_argument("--output_dir", default="outputs/lab", help="where lab.json, lab.md and lab.png go")
     parser.add_argument("--no-plot", action="store_true", help="skip lab.png")
     args = parser.parse_args(argv)

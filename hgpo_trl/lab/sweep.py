@@ -59,7 +59,8 @@ def estimator_specs(history_length: int, quick: bool = False) -> list[Spec]:
               for k in range(1, h + 1) for a in alphas]
     specs += [Spec(f"A_E + hgpo K={h}", reference=episode_plus_hgpo(h))]
     if not quick:
-        specs += [Spec(f"hgpo K={h} inverse_mse", "hgpo", {"depth": h, "weighting": "inverse_mse"}),
+        specs += [Spec("hgpo K=0 (GiGPO's A_S)", "hgpo", {"depth": 0}),
+                  Spec(f"hgpo K={h} inverse_mse", "hgpo", {"depth": h, "weighting": "inverse_mse"}),
                   Spec(f"hgpo K={h} base_group", "hgpo", {"depth": h, "base_group": True}),
                   Spec(f"progpo K={h}", "progpo", {"depth": h})]
     specs += [Spec(name, name) for name in ESTIMATORS if name not in BUILT_IN]
