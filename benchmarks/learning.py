@@ -146,14 +146,17 @@ def train_run(settings: dict[str, Any], name: str, seed: int, warm: dict[str, An
                   "reward": before["eval_episode_reward"]}]
         evals += [{"iteration": math.ceil(h["step"] / per_iteration - 1e-9), "success": h["eval_success_rate"],
                    "reward": h["eval_episode_reward"]} for h in history if "eval_success_rate" in h]
-        if evals[-1]["iteration"] != args.train_iterations:  # eval_steps does not divide the iterations
+        # The iterations that ran: all of them, or fewer where the early stop ended the run.
+        trained = math.ceil(trainer.state.global_step / per_iteration - 1e-9)
+        if evals[-1]["iteration"] != trained:  # eval_steps does not divide the iterations that ran
             after = trainer.evaluate()
-            evals.append({"iteration": args.train_iterations, "success": after["eval_success_rate"],
+            evals.append({"iteration": trained, "success": after["eval_success_rate"],
                           "reward": after["eval_episode_reward"]})
     finally:
         trainer.close_environments()
     return {
         "estimator": name, "seed": seed, "options": ESTIMATORS[name], "train": train, "eval": evals,
+        "iterations": trained, "stopped_early": trainer.early_stop.reason,
         "eval_tasks": len(eval_tasks), "wall_seconds": round(time.time() - tick, 1),
         "warmstart_sha256": checksum, "warmstart": warm["path"], "command": command,
         "config": {"env": dataclasses.asdict(env_args), "trainer": args.to_dict(),

@@ -85,3 +85,22 @@ def test_parallel_runs_give_the_same_curves(tmp_path):
         assert (run["train"], run["eval"]) == (two["runs"][key]["train"], two["runs"][key]["eval"]), key
     with pytest.raises(SystemExit):
         main([*TINY, "--output_dir", str(tmp_path / "none"), "--jobs", "0"])
+
+
+def test_a_run_that_stops_early_ends_its_curve_where_it_stopped(tmp_path):
+    # Learning rate 0: the first evaluation during training (iteration 1) scores as the warm start did and stops
+    # the run. The curve must end there, not at the iteration cap with an evaluation labelled as if the run had
+    # gone on (failed on the old code: evaluations at [0, 1, 4]).
+    from benchmarks.learning import main
+
+    out = tmp_path / "out"
+    # A warm start that already succeeds sometimes (as test_cli's early-stop test), so a threshold of 0.01 holds.
+    main([*TINY, "--estimators", "grpo", "--iterations", "4", "--learning_rate", "0", "--early_stop_success", "0.01",
+          "--early_stop_patience", "1", "--tiny_hidden_size", "64", "--tiny_num_layers", "2", "--task_kwargs",
+          "{num_rooms: 3, num_colors: 3}", "--warmstart_steps", "60", "--warmstart_batch_size", "32",
+          "--warmstart_learning_rate", "3e-3", "--num_eval_tasks", "11", "--invalid_action", "end_episode",
+          "--admissible_only", "true", "--output_dir", str(out)])
+    run = json.loads((out / "curves.json").read_text())["runs"]["grpo/seed0"]
+    assert [e["iteration"] for e in run["eval"]] == [0, 1]
+    assert [t["iteration"] for t in run["train"]] == [1]
+    assert run["iterations"] == 1 and run["stopped_early"].startswith("stopped early")
