@@ -53,7 +53,7 @@ class Setting:
 
 # An estimator of the lab: the library's by name (through compute_advantages), or a function of the batch and the
 # exact values (the references: the oracle groups and the exact advantage).
-Reference = Callable[[StepBatch, "Steps", Setting], np.ndarray]
+Reference = Callable[[StepBatch, "Steps", Setting, str], np.ndarray]  # (batch, steps, setting, norm)
 
 
 @dataclass(frozen=True)
@@ -161,10 +161,10 @@ def train(setting: Setting, spec: Spec, seeds: Sequence[int], corridor: Corridor
     logits = np.zeros((s, corridor.num_contexts, 2))
     episodes = setting.tasks * setting.group_size
     success, value = np.zeros((s, setting.iterations + 1)), np.zeros((s, setting.iterations + 1))
+    mix = np.array([1.0 - setting.inconsistency, setting.inconsistency])  # clear and hiding entrances
     for iteration in range(setting.iterations + 1):
         probabilities = policy_probabilities(corridor, logits)
         values = exact_values(corridor, probabilities, setting.gamma)
-        mix = np.array([1.0 - setting.inconsistency, setting.inconsistency])
         success[:, iteration], value[:, iteration] = values.success[:, :2] @ mix, values.v[:, :2] @ mix
         if iteration == setting.iterations:
             break
