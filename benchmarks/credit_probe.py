@@ -23,7 +23,7 @@ at the room, hall and vault (after the gold key). Writes `output_dir/probe.json`
 
 `--updates 0` only evaluates: it diagnoses a stalled run's checkpoint (a colour ranking instead of the rule):
 
-    python benchmarks/credit_probe.py --warmstart outputs/quickstart/checkpoint-300 --updates 0
+    python benchmarks/credit_probe.py --warmstart outputs/quickstart/checkpoint-N --updates 0
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def sft_dataset(tokenizer, pairs: Sequence[tuple[str, str]], answer: Callable[[s
     """(prompt, action) pairs as SFT rows (`input_ids`, `labels` = -100 on the prompt), tokenized as TRL's
     SFTTrainer would (chat template, the completion from where prompt and prompt+completion diverge), but each
     distinct prompt rendered and tokenized once and the rest in one batch: TRL's per-row preparation took 13 s
-    of a 70 s quickstart warm start."""
+    of a 70 s quickstart warm start (2-layer model)."""
     def chat(prompt: str, action: str | None = None) -> str:
         messages = [{"role": "user", "content": prompt}]
         if action is not None:
