@@ -9,9 +9,25 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 import pytest
 
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
+from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.keydoor import COLORS, ROOMS
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+
+
+@pytest.fixture
+def temporary_estimator():
+    """`register_estimator` for one test: the registry is global, and an estimator left in it shows up in later
+    tests (the lab's table lists every registered one), so those registered through this are removed after it."""
+    names = []
+
+    def register(name, fn, **kwargs):
+        register_estimator(name, fn, **kwargs)
+        names.append(name)
+
+    yield register
+    for name in names:
+        ESTIMATORS.pop(name, None)
 
 
 def keydoor_corpus() -> list[str]:

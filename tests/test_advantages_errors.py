@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from hgpo_trl.advantages import (
-    ESTIMATORS,
     StepBatch,
     compute_advantages,
     estimator_options,
@@ -93,25 +92,22 @@ def test_progpo_needs_actions():
         compute_advantages("progpo", good(action=None))
 
 
-def test_register_custom_estimator_receives_the_batch():
+def test_register_custom_estimator_receives_the_batch(temporary_estimator):
     seen = {}
 
     def constant(batch, *, value=1.0):
         seen["batch"] = batch
         return np.full(len(batch), value)
 
-    register_estimator("test_constant", constant)
-    try:
-        batch = good()
-        np.testing.assert_array_equal(compute_advantages("test_constant", batch, value=2.0), [2.0] * 4)
-        assert seen["batch"] is batch
-        assert estimator_options("test_constant") == ["value"]
-        with pytest.raises(ValueError, match="already registered"):
-            register_estimator("test_constant", constant)
-        register_estimator("test_constant", lambda b: np.zeros(3), overwrite=True)
-        with pytest.raises(ValueError, match=r"returned shape \(3,\), expected \(4,\)"):
-            compute_advantages("test_constant", batch)
-    finally:
-        ESTIMATORS.pop("test_constant")
+    temporary_estimator("test_constant", constant)
+    batch = good()
+    np.testing.assert_array_equal(compute_advantages("test_constant", batch, value=2.0), [2.0] * 4)
+    assert seen["batch"] is batch
+    assert estimator_options("test_constant") == ["value"]
+    with pytest.raises(ValueError, match="already registered"):
+        register_estimator("test_constant", constant)
+    register_estimator("test_constant", lambda b: np.zeros(3), overwrite=True)
+    with pytest.raises(ValueError, match=r"returned shape \(3,\), expected \(4,\)"):
+        compute_advantages("test_constant", batch)
     with pytest.raises(ValueError, match="must be callable"):
         register_estimator("broken", 3)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hgpo_trl.advantages import ESTIMATORS, StepBatch, register_estimator
+from hgpo_trl.advantages import StepBatch
 from hgpo_trl.diagnostics import advantage_bias, oracle_advantages
 
 # Keydoor's shape: one task group, four rollouts of entrance -> room -> vault. The vault reads the same after
@@ -53,18 +53,15 @@ def test_bias_of_each_estimator_against_the_oracle():
     assert report["grpo"].mse == pytest.approx(np.mean(grpo ** 2))
 
 
-def test_a_registered_estimator_is_called_with_the_same_batch():
+def test_a_registered_estimator_is_called_with_the_same_batch(temporary_estimator):
     seen = []
 
     def shifted_oracle(step_batch, *, gamma=0.95, norm="mean_std_norm", invalid_penalty=0.1):
         seen.append(step_batch)
         return oracle_advantages(step_batch, gamma=gamma, norm=norm, invalid_penalty=invalid_penalty)[0] + 1.0
 
-    register_estimator("shifted_oracle_test", shifted_oracle)
-    try:
-        steps = batch()
-        report = advantage_bias(steps, {"shifted": {"estimator": "shifted_oracle_test"}}, gamma=0.9)
-    finally:
-        ESTIMATORS.pop("shifted_oracle_test")  # the registry is global: leave it as found for later tests
+    temporary_estimator("shifted_oracle_test", shifted_oracle)
+    steps = batch()
+    report = advantage_bias(steps, {"shifted": {"estimator": "shifted_oracle_test"}}, gamma=0.9)
     assert seen == [steps]
     assert report["shifted"].bias == pytest.approx(1.0) and report["shifted"].spread == pytest.approx(0.0, abs=1e-12)

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from hgpo_trl.advantages import ESTIMATORS, compute_advantages, register_estimator
+from hgpo_trl.advantages import compute_advantages
 from hgpo_trl.lab.corridor import GO, OPEN, TAKE, build, exact_values, policy_probabilities
 from hgpo_trl.lab.learn import Setting, Spec, draws, policy_gradient, rollout, step_batch, train, unit_scale
 from hgpo_trl.lab.report import main
@@ -113,16 +113,13 @@ def test_the_step_term_gap_between_gigpo_and_hgpo_grows_with_inconsistency():
     assert gaps[0] == 0.0 and 0.0 < gaps[1] < gaps[2], gaps
 
 
-def test_a_registered_estimator_shows_up_in_the_lab(tmp_path):
-    register_estimator("lab_test_zero", lambda batch, **_: np.zeros(len(batch)))
-    try:
-        preset = Preset(inconsistency=(1.0,), group_size=(4,), history_length=(1,), seeds=4, iterations=2, quick=True)
-        rows = {r["label"]: r for r in run_sweep(preset, progress=False)["rows"]}
-        assert "lab_test_zero" in rows
-        # Zero advantages never move the uniform policy: success stays where it started.
-        assert rows["lab_test_zero"]["curve"]["success"] == pytest.approx([rows["lab_test_zero"]["curve"]["success"][0]] * 3)
-    finally:
-        del ESTIMATORS["lab_test_zero"]
+def test_a_registered_estimator_shows_up_in_the_lab(temporary_estimator):
+    temporary_estimator("lab_test_zero", lambda batch, **_: np.zeros(len(batch)))
+    preset = Preset(inconsistency=(1.0,), group_size=(4,), history_length=(1,), seeds=4, iterations=2, quick=True)
+    rows = {r["label"]: r for r in run_sweep(preset, progress=False)["rows"]}
+    assert "lab_test_zero" in rows
+    # Zero advantages never move the uniform policy: success stays where it started.
+    assert rows["lab_test_zero"]["curve"]["success"] == pytest.approx([rows["lab_test_zero"]["curve"]["success"][0]] * 3)
 
 
 def test_the_quick_preset_runs_and_writes_its_outputs(tmp_path, capsys):
