@@ -25,11 +25,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from hgpo_trl.envs.base import Info
+
+if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
+    import datasets
 
 SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
 TASK_TYPES = ("pick_and_place_simple", "look_at_obj_in_light", "pick_clean_then_place_in_recep",
@@ -213,6 +214,8 @@ def alfworld_tasks(split: str = "train", data_path: str | os.PathLike | None = N
     if not records:
         raise ValueError(f"ALFWorld split {split!r} has no games of types {task_types}")
     game_ids, types, goals = zip(*records, strict=True)
+    import datasets
+
     return datasets.Dataset.from_dict({"game_id": list(game_ids), "task_type": list(types), "goal": list(goals),
                                        "split": [split] * len(records)})
 

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Integral
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import datasets
+if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
+    import datasets
 
 Info = dict[str, Any]
 
@@ -49,7 +50,7 @@ class TextEnv(Protocol):
 
 
 EnvFactory = Callable[..., TextEnv]
-TaskFactory = Callable[..., datasets.Dataset]
+TaskFactory = Callable[..., "datasets.Dataset"]
 
 SEED_SPLITS = {"train": 0, "valid": 1_000_000, "test": 2_000_000}
 """First seed of each split of the seeded environments (TextArena, Gymnasium): disjoint ranges of a million."""

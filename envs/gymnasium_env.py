@@ -30,11 +30,12 @@ import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from hgpo_trl.envs.base import Info, MissingExtraError, _is_int, rules_prompt, split_seeds
+
+if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
+    import datasets
 
 SUCCESS = ("auto", "reward", "terminated", "is_success")
 OBSERVATIONS = ("auto", "text", "ansi")
@@ -287,4 +288,6 @@ def gymnasium_tasks(split: str = "train", env_id: str | None = None, num_tasks: 
                "split": [split] * len(seed_list)}
     if env_id is not None:
         columns["env_id"] = [env_id] * len(seed_list)
+    import datasets
+
     return datasets.Dataset.from_dict(columns)

@@ -18,11 +18,12 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
-from typing import Any, NamedTuple
-
-import datasets
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hgpo_trl.envs.base import Info, compact_prompt
+
+if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
+    import datasets
 
 ROOMS = ("library", "kitchen", "cellar", "attic", "garden", "study")
 COLORS = ("red", "blue", "green", "yellow", "white", "black")
@@ -234,5 +235,7 @@ def keydoor_tasks(split: str = "train", num_tasks: int | None = None, num_rooms:
     if num_tasks is not None:
         ids = [ids[i % len(ids)] for i in range(num_tasks)]
     tasks = [_ALL_TASKS[i] for i in ids]
+    import datasets
+
     return datasets.Dataset.from_dict({"task_id": ids, **{name: [getattr(t, name) for t in tasks]
                                                            for name in TASK_FIELDS}})

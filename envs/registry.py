@@ -4,10 +4,12 @@ tasks as a `datasets.Dataset` (one row per task: what `reset(task)` needs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import datasets
+from typing import TYPE_CHECKING
 
 from hgpo_trl.envs.base import EnvFactory, TaskFactory, TextEnv
+
+if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
+    import datasets
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,12 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from numbers import Real
 from pathlib import Path
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from hgpo_trl.envs.base import Info, MissingExtraError, _is_int, rules_prompt, split_seeds
+
+if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
+    import datasets
 
 REWARDS = ("win", "score")
 WIN_REWARD = 10.0
@@ -358,4 +359,6 @@ def textarena_tasks(split: str = "train", game: str | None = None, games: Sequen
                "split": [split] * len(rows)}
     if names:
         columns["game"] = [g for g, _ in rows]
+    import datasets
+
     return datasets.Dataset.from_dict(columns)

@@ -12,12 +12,13 @@ import random
 from collections.abc import Mapping
 from numbers import Integral, Real
 from pathlib import Path
-from typing import Any
-
-import datasets
+from typing import TYPE_CHECKING, Any
 
 from hgpo_trl.envs.webshop.catalogue import Goal
 from hgpo_trl.envs.webshop.shop import load_goals
+
+if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
+    import datasets
 
 SPLITS = ("train", "valid", "test")
 GOAL_SHUFFLE_SEED = 233
@@ -26,11 +27,18 @@ ORIGINAL_SPLIT_MIN_GOALS = 2000
 EVAL_FRACTION = 0.1
 TEXT_FIELDS = ("asin", "instruction", "query", "category", "product_category", "name")
 LIST_FIELDS = ("attributes", "goal_options")
-FEATURES = datasets.Features({
-    "goal_id": datasets.Value("int64"), **{name: datasets.Value("string") for name in TEXT_FIELDS},
-    **{name: datasets.List(datasets.Value("string")) for name in LIST_FIELDS},
-    "price_upper": datasets.Value("float64"),
-})
+COLUMNS = ("goal_id", *TEXT_FIELDS, *LIST_FIELDS, "price_upper")
+
+
+def features() -> datasets.Features:
+    """The task rows' columns and types."""
+    import datasets
+
+    return datasets.Features({
+        "goal_id": datasets.Value("int64"), **{name: datasets.Value("string") for name in TEXT_FIELDS},
+        **{name: datasets.List(datasets.Value("string")) for name in LIST_FIELDS},
+        "price_upper": datasets.Value("float64"),
+    })
 
 
 def goal_from_row(row: Mapping[str, Any]) -> Goal:
@@ -84,7 +92,7 @@ def webshop_tasks(split: str = "train", data_path: str | Path | None = None, num
                          f"too few for a {split!r} split")
     if num_tasks is not None:
         ids = [ids[i % len(ids)] for i in range(num_tasks)]
-    rows = {name: [] for name in FEATURES}
+    rows = {name: [] for name in COLUMNS}
     for goal_id in ids:
         goal = goals[goal_id]
         rows["goal_id"].append(goal_id)
@@ -93,4 +101,6 @@ def webshop_tasks(split: str = "train", data_path: str | Path | None = None, num
         rows["attributes"].append(list(goal.attributes))
         rows["goal_options"].append(list(goal.options))
         rows["price_upper"].append(goal.price_upper)
-    return datasets.Dataset.from_dict(rows, features=FEATURES)
+    import datasets
+
+    return datasets.Dataset.from_dict(rows, features=features())
