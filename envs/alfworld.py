@@ -67,13 +67,16 @@ def _is_int(value: Any) -> bool:
 def _import_alfworld() -> None:
     """Fail early, with the install command, when the extra is missing."""
     saved = os.environ.get("ALFWORLD_DATA")
+    if saved is None:
+        # alfworld.info creates the folder ALFWORLD_DATA names (~/.cache/alfworld when unset) and sets the
+        # variable: name an existing folder for the import, then leave the caller's environment as it was.
+        os.environ["ALFWORLD_DATA"] = tempfile.gettempdir()
     try:
         import alfworld.agents.environment.alfred_tw_env  # noqa: F401
         import textworld  # noqa: F401
     except ImportError as err:
         raise ImportError(f"the ALFWorld environment needs the alfworld package: {_INSTALL} ({err})") from err
     finally:
-        # alfworld.info sets ALFWORLD_DATA to its own default when unset: keep the caller's environment as it was.
         if saved is None:
             os.environ.pop("ALFWORLD_DATA", None)
 

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -129,21 +130,34 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     return summary
 
 
-def main(argv: list[str] | None = None) -> None:
+@contextmanager
+def deepspeed_cpu_accelerator():
+    """Without CUDA, DeepSpeed's CPU accelerator named for the block: what DeepSpeed picks then anyway, without its
+    "unable to detect" warning. The environment is left as it was: `main` may be called from Python."""
     import torch
 
-    if not torch.cuda.is_available():  # what DeepSpeed picks then anyway, without its "unable to detect" warning
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    name = not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ
+    if name:
+        os.environ["DS_ACCELERATOR"] = "cpu"
     try:
-        env_args, args, model_args = parse(argv)
-    except ConfigError as err:
-        print(f"train.py: configuration error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
-        summary = run(env_args, args, model_args)
-    except ConfigError as err:  # found while loading the tasks or the model, before any training
-        print(f"train.py: configuration error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+        yield
+    finally:
+        if name:
+            os.environ.pop("DS_ACCELERATOR", None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    with deepspeed_cpu_accelerator():
+        try:
+            env_args, args, model_args = parse(argv)
+        except ConfigError as err:
+            print(f"train.py: configuration error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        try:
+            summary = run(env_args, args, model_args)
+        except ConfigError as err:  # found while loading the tasks or the model, before any training
+            print(f"train.py: configuration error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
     early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
     print(f"validation success {rounded(summary['success_rate_start'])} -> {rounded(summary['success_rate_end'])} in "
           f"{summary['iterations']} iterations{early}, {summary['wall_seconds']:.0f} s; see "

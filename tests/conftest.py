@@ -1,10 +1,18 @@
-"""Shared fixtures: a tiny offline model and tokenizer that read the keydoor environment."""
+"""Shared fixtures: a tiny offline model and tokenizer that read the keydoor environment; the isolation check
+(tests/isolation.py) for every test."""
 
+import atexit
 import os
+import shutil
+import socket
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# DeepSpeed's CPU runs compile a collective op on first use: `make` builds it into the venv at set-up.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 import pytest
 
@@ -13,6 +21,26 @@ from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.keydoor import COLORS, ROOMS
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from tests.isolation import isolated, pytest_runtest_setup, pytest_runtest_teardown, redirect_caches  # noqa: F401
+
+atexit.register(shutil.rmtree, redirect_caches(), ignore_errors=True)  # before any test: the run's own caches
+pytest_plugins = ["pytester"]  # tests/test_isolation.py runs pytest on tests that leak
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
+def pytest_collection_modifyitems(items):
+    """The slow tests first, their order otherwise kept: under pytest-xdist the long ones start at once and the short
+    ones fill the gaps, instead of one long test ending the run alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A port no process listens on now, for an `accelerate launch`'s rendezvous: fixed ports collide when two
+    launches run at once (pytest-xdist's workers, or two test runs on one machine)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture

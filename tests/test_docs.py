@@ -1,6 +1,7 @@
 """What the README, the docs and the code's own docstrings and comments tell a newcomer must hold: every path
 they name exists, and every command block is marked (run here, GPU, long, or a fragment); the runnable ones run."""
 
+import importlib.util
 import itertools
 import os
 import re
@@ -62,8 +63,20 @@ def test_every_command_block_is_marked():
     assert not unmarked, f"command blocks without a <!-- block: run|gpu|long|fragment --> line: {unmarked}"
 
 
-RUNNABLE = [pytest.param(doc, language, body, marker.group(2).split(), id=f"{doc.name}:{line}")
+# `<!-- block: run [slow] [needs...] -->`: "slow" puts the block in the full tier (tests/README.md).
+RUNNABLE = [pytest.param(doc, language, body, [w for w in marker.group(2).split() if w != "slow"],
+                         id=f"{doc.name}:{line}", marks=[pytest.mark.slow] if "slow" in marker.group(2).split() else [])
             for doc, line, language, body, marker in blocks() if marker is not None and marker.group(1) == "run"]
+
+
+def checkout_mirror(folder: Path) -> Path:
+    """A folder whose entries link to the checkout's: a block runs as from the checkout, and what it writes
+    (outputs/...) lands in the test's folder, not in the checkout."""
+    folder.mkdir()
+    for entry in ROOT.iterdir():
+        if entry.name not in (".git", "outputs"):
+            (folder / entry.name).symlink_to(entry)
+    return folder
 
 
 @pytest.mark.parametrize(("doc", "language", "body", "needs"), RUNNABLE)
@@ -76,7 +89,9 @@ def test_a_runnable_block_runs_as_written(doc, language, body, needs, tmp_path):
             if not Path(data).is_dir():
                 pytest.skip(f"needs ALFWorld games (ALFWORLD_DATA or {SHARED / 'alfworld'})")
             env["ALFWORLD_DATA"] = str(data)
-        pytest.importorskip(need, reason=f"the block needs the optional package {need}")
+        if importlib.util.find_spec(need) is None:  # found, not imported: an import can change the environment
+            pytest.skip(f"the block needs the optional package {need}")
     command = [sys.executable, "-c", body] if language == "python" else ["bash", "-euo", "pipefail", "-c", body]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=checkout_mirror(tmp_path / "checkout"), env=env, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, f"{doc.name} block failed:\n{body}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"

@@ -152,6 +152,7 @@ plots: false
 """
 
 
+@pytest.mark.slow
 def test_tasks_are_seed_rows_and_train_py_trains_on_the_environment_by_name(tmp_path):
     from hgpo_trl.cli import main
 
@@ -167,7 +168,10 @@ def test_tasks_are_seed_rows_and_train_py_trains_on_the_environment_by_name(tmp_
 
 def one_room(render_mode="ansi"):
     """A toy-text environment built by hand: no registered id, so no built-in action names."""
-    return gymnasium.envs.toy_text.CliffWalkingEnv(render_mode=render_mode)
+    # Imported by name: `gymnasium.envs.toy_text` is an attribute only once a test before made a toy-text id.
+    from gymnasium.envs.toy_text import CliffWalkingEnv
+
+    return CliffWalkingEnv(render_mode=render_mode)
 
 
 @pytest.mark.parametrize(("options", "message"), [
