@@ -1,5 +1,6 @@
-# The README's two commands: `make demo` (the main job) and `make test` (lint + tests). Both need only a
-# fresh clone: the first run creates .venv and installs the project into it.
+# The README's commands: `make demo` (the main job), `make test` (lint + the fast tier, while working) and
+# `make test-all` (lint + every test: what CI runs). Each needs only a fresh clone: the first run creates .venv
+# and installs the project into it.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,30 +18,52 @@ DEMO_EXTRAS ?= dev
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_TELEMETRY := 1
+# DeepSpeed compiles its CPU collective op (deepspeed_shm_comm) on first use, 2 minutes on 2 cores: once, at
+# set-up, into the venv, not into ~/.cache in the middle of a test.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: test demo lint bench system-deps clean gpu-wheels
+.PHONY: test test-all demo lint bench system-deps deepspeed-ops clean gpu-wheels
 
 # One stamp per set of extras: `make test` after `make demo` adds what the tests need. The venv goes first on
 # PATH because fast-downward-textworld's build (alfworld) runs a bare `python build.py`.
 $(VENV)/.installed-%: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "hgpo-trl needs Python >= 3.11, found " + sys.version'
-	@if echo "$*" | grep -q alfworld; then $(MAKE) --no-print-directory system-deps; fi
+	@if echo "$*" | grep -Eq "alfworld|deepspeed"; then $(MAKE) --no-print-directory system-deps; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet "$(UV)"
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/uv pip install --quiet --python $(BIN)/python $(UV_FIND_LINKS) \
 		"$(TORCH)" -e ".[$*]"
+	@if echo "$*" | grep -q deepspeed; then $(MAKE) --no-print-directory deepspeed-ops; fi
 	touch $@
 
-# alfworld compiles jericho and fast-downward (cmake, g++, make): install them from Debian when missing.
+# alfworld compiles jericho and fast-downward (cmake, g++, make), DeepSpeed its CPU op (g++): from Debian when
+# missing.
 system-deps:
 	@if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null || ! command -v make >/dev/null; then \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq cmake g++ make; \
 	fi
 
+deepspeed-ops:
+	PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c \
+		"from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
+
+# The tests run in TEST_WORKERS processes (pytest-xdist; the multi-process tests launch their own on top); each
+# keeps one thread. tests/README.md: which tier a test joins, the time budget, the isolation check.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10
+
+# The fast tier, every test not marked slow, in a new random order each run: the seed is in the command make
+# prints, and `make test TEST_SEED=N` replays that order.
+TEST_SEED ?= $(shell od -An -N2 -tu2 /dev/urandom | tr -d ' ')
 test: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -m "not slow" -p randomly --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS)
+
+# Every test, in the same order each run: CI's command.
+test-all: $(VENV)/.installed-$(TEST_EXTRAS)
+	$(BIN)/ruff check .
+	$(PYTEST) -p no:randomly $(PYTEST_ARGS)
 
 # The demo is one process, so it may use the cores (up to 4: a tiny model gains nothing from more); the tests
 # keep one thread each, many of their processes share the machine.

@@ -85,6 +85,7 @@ def test_task_lists():
         make_tasks("alfworld", SPLIT, data_path=DATA, task_types=["pick_and_place_with_movable_recep"])
 
 
+@pytest.mark.slow
 @needs_alfworld
 @needs_data
 def test_expert_wins_through_the_wrapper(plays):
@@ -96,6 +97,7 @@ def test_expert_wins_through_the_wrapper(plays):
             assert all(reward == 0.0 for _, (_, reward, *_) in steps[:-1])
 
 
+@pytest.mark.slow
 @needs_alfworld
 @needs_data
 def test_observations_and_actions_read_as_in_the_papers(plays):
@@ -112,6 +114,7 @@ def test_observations_and_actions_read_as_in_the_papers(plays):
                 assert next_observation.startswith(f"You arrive at {action.removeprefix('go to ')}.")
 
 
+@pytest.mark.slow
 @needs_alfworld
 @needs_data
 def test_rollouts_of_a_task_start_alike(expert_env, cache):
@@ -185,6 +188,7 @@ def test_prompt_is_verl_agents(expert_env):
         "Your admissible actions of the current situation are: ['look'].\n\nNow it's your turn")
 
 
+@pytest.mark.slow
 @needs_alfworld
 @needs_data
 def test_a_json_tree_plays_the_same_games(tmp_path, cache):

@@ -2,6 +2,7 @@
 real: TextWorld games, an environment that agrees with TextWorld step by step, a custom estimator fed the
 rollout's StepBatch, a training run that logs its success, and an evaluation of the registered environment."""
 
+import ast
 import json
 import random
 import runpy
@@ -30,6 +31,30 @@ def tutorial(tmp_path_factory):
     ESTIMATORS.pop("turn_baseline", None)
 
 
+def tutorial_definitions() -> dict:
+    """The tutorial's imports, constants, functions and classes, without its cells' work (games for every split,
+    registrations, training): its environment, tried in seconds."""
+    path = ROOT / "examples" / "byo_textworld.py"
+    definitions = [node for node in ast.parse(path.read_text()).body
+                   if isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)
+                   or (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets))]
+    namespace = {"__name__": "byo_textworld"}
+    exec(compile(ast.Module(definitions, type_ignores=[]), str(path), "exec"), namespace)
+    return namespace
+
+
+def test_the_tutorials_environment_wins_a_generated_game_by_its_walkthrough(tmp_path):
+    tutorial = tutorial_definitions()
+    [game_file] = tutorial["generate_games"](tmp_path, {"train": [1]})
+    [task] = tutorial["textworld_tasks"]("train", games_dir=tmp_path)
+    env = tutorial["TextWorldEnv"](max_steps=MAX_STEPS)
+    walkthrough = textworld.Game.load(str(game_file.with_suffix(".json"))).metadata["walkthrough"]
+    commands, results = play(env, task, lambda t, _: walkthrough[t])
+    assert commands == walkthrough and results[-1][4]["won"] and results[-1][1:3] == (10.0, True)
+    env.close()
+
+
+@pytest.mark.slow
 def test_games_are_generated_by_textworld(tutorial):
     _, output = tutorial
     games = sorted(p.name for p in (output / "games").glob("*.z8"))
@@ -62,6 +87,7 @@ def play(env, task, choose) -> tuple[list[str], list[tuple]]:
     return commands, results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_episodes_end_won_or_lost_as_textworld_says(tutorial, seed):
     """Random admissible play, then each game's walkthrough, step by step against an independent TextWorld engine."""
@@ -82,6 +108,7 @@ def test_episodes_end_won_or_lost_as_textworld_says(tutorial, seed):
         assert results[-1][4]["won"] and len(results) == len(walkthrough)  # the walkthrough wins
 
 
+@pytest.mark.slow
 def test_custom_estimator_received_the_rollouts_step_batches(tutorial):
     namespace, _ = tutorial
     calls = namespace["estimator_calls"]
@@ -97,6 +124,7 @@ def test_custom_estimator_received_the_rollouts_step_batches(tutorial):
     assert abs(sum(advantages[first])) < 1e-9  # the turn baseline centres each (task, t) cell
 
 
+@pytest.mark.slow
 def test_training_logged_success_and_the_warm_start_taught_the_format(tutorial):
     namespace, _ = tutorial
     iterations = [e for e in namespace["trainer"].state.log_history if "env/success_rate" in e]
@@ -104,6 +132,7 @@ def test_training_logged_success_and_the_warm_start_taught_the_format(tutorial):
     assert iterations[0]["env/invalid_rate"] < 0.8  # without the warm start nearly every output is invalid
 
 
+@pytest.mark.slow
 def test_the_registered_environment_is_evaluated_like_the_built_ins(tutorial):
     _, output = tutorial
     report = json.loads((output / "evaluation" / "evaluation.json").read_text())

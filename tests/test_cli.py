@@ -317,6 +317,7 @@ def test_help_lists_config_and_groups_the_fields_ours_first(capsys):
     assert group_of("--seed") == "Transformers TrainingArguments: optimizer, precision, logging, saving"
 
 
+@pytest.mark.slow
 def test_early_stop_ends_the_run_once_validation_holds_and_says_why(tmp_path, capsys):
     config = write(tmp_path, TINY_RUN + """invalid_action: end_episode
 admissible_only: true

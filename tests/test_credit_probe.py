@@ -70,6 +70,7 @@ def test_colour_choice_splits_each_task_between_its_two_keys():
     assert colour_choice(tasks, [0.9, 0.2]) == {"blue": 0.9, "green": 0.8, "red": 0.15}
 
 
+@pytest.mark.slow
 def test_zero_updates_only_evaluates_a_saved_model(tmp_path):
     from benchmarks.credit_probe import main
 

@@ -1,5 +1,6 @@
 """Two processes on the CPU through `accelerate launch`: plain DDP, DeepSpeed ZeRO-2 and ZeRO-3."""
 
+import importlib.util
 import json
 import math
 import os
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "distributed" / "train_keydoor.py"
@@ -21,8 +23,8 @@ LAUNCHES = {
 
 
 def launch(kind: str, out: Path, port: int, *options: str) -> list[dict]:
-    if kind.startswith("zero"):
-        pytest.importorskip("deepspeed")
+    if kind.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs the deepspeed extra")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "DS_ACCELERATOR": "cpu", "MASTER_PORT": str(port)}
     command = [str(ACCELERATE), "launch", *LAUNCHES[kind], "--main_process_port", str(port), str(SCRIPT), str(out), *options]
@@ -31,9 +33,26 @@ def launch(kind: str, out: Path, port: int, *options: str) -> list[dict]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-@pytest.mark.parametrize(("kind", "port"), [("ddp", 29611), ("zero2", 29612), ("zero3", 29613)])
-def test_two_processes_play_distinct_tasks_and_stay_in_sync(kind, port, tmp_path):
-    ranks = launch(kind, tmp_path, port)
+def test_each_launch_is_two_processes_under_the_setting_its_name_says():
+    """What the launches below stand on: the accelerate file and the flags that override it give 2 processes in
+    float32, plain DDP on the CPU for ddp, DeepSpeed ZeRO at the stage the name says without offload."""
+    for kind, options in LAUNCHES.items():
+        flags = dict(zip(options[::2], options[1::2], strict=True))
+        config = {**yaml.safe_load((ROOT / flags["--config_file"]).read_text()),
+                  **{flag.removeprefix("--"): value for flag, value in flags.items() if flag != "--config_file"}}
+        assert int(config["num_processes"]) == 2 and config["mixed_precision"] == "no", kind
+        if kind == "ddp":
+            assert config["use_cpu"] is True and config["distributed_type"] == "MULTI_GPU"
+        else:
+            deepspeed = config["deepspeed_config"]
+            assert config["distributed_type"] == "DEEPSPEED" and deepspeed["zero_stage"] == int(kind[-1]), kind
+            assert deepspeed["offload_optimizer_device"] == deepspeed["offload_param_device"] == "none"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3"])
+def test_two_processes_play_distinct_tasks_and_stay_in_sync(kind, tmp_path, free_port):
+    ranks = launch(kind, tmp_path, free_port)
     assert [r["world"] for r in ranks] == [2, 2] and [r["global_step"] for r in ranks] == [2, 2]
     # Each process plays its own tasks in every iteration: task groups never span processes.
     for it in range(2):
@@ -50,12 +69,13 @@ def test_two_processes_play_distinct_tasks_and_stay_in_sync(kind, port, tmp_path
     assert len(logs[0]) == 2 and logs[0] == logs[1]
 
 
-@pytest.mark.parametrize(("kind", "port"), [("ddp", 29614), ("zero2", 29616), ("zero3", 29615)])
-def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_busiest(kind, port, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3"])
+def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_busiest(kind, tmp_path, free_port):
     """step_batching=all_steps on 2 processes: each process's steps reach its loss exactly once per iteration;
     both run the busiest process's count of micro-batches (ZeRO-3 gathers parameters in every forward, so an
     unequal count would hang) and make the same optimizer steps; parameters stay identical."""
-    ranks = launch(kind, tmp_path, port, "batching=all_steps")
+    ranks = launch(kind, tmp_path, free_port, "batching=all_steps")
     for rank in ranks:
         seen = sorted(a for call in rank["seen"] for a in call)
         assert seen == sorted(a for values in rank["estimated"] for a in values)
@@ -70,10 +90,11 @@ def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_bu
     assert logs == windows
 
 
-def test_one_process_whose_environments_all_fail_logs_the_same_keys_and_goes_on(tmp_path):
+@pytest.mark.slow
+def test_one_process_whose_environments_all_fail_logs_the_same_keys_and_goes_on(tmp_path, free_port):
     """Process 1's episodes all fault in iteration 1 (no step collected there), process 0's are healthy: every
     process still gathers the same metric keys (a shorter vector hangs NCCL, and gloo raises) and the run ends."""
-    ranks = launch("ddp", tmp_path, 29617, "fault=envs")
+    ranks = launch("ddp", tmp_path, free_port, "fault=envs")
     assert [r["global_step"] for r in ranks] == [2, 2]
     ours = ("env/", "adv/", "steps/", "hgpo/")
     first = [{k: v for k, v in next(h for h in r["log_history"] if "env/faults" in h).items() if k.startswith(ours)}
@@ -83,19 +104,21 @@ def test_one_process_whose_environments_all_fail_logs_the_same_keys_and_goes_on(
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
 
 
-def test_non_finite_advantages_on_one_process_stop_every_process(tmp_path):
+@pytest.mark.slow
+def test_non_finite_advantages_on_one_process_stop_every_process(tmp_path, free_port):
     """NaN advantages on process 1 only: both stop with the message before training, within the collective
     timeout (a process deciding alone would leave the other waiting in its next collective)."""
-    ranks = launch("ddp", tmp_path, 29618, "fault=nan")
+    ranks = launch("ddp", tmp_path, free_port, "fault=nan")
     assert all("non-finite advantages at iteration 1" in r["error"] for r in ranks)
     assert [r["global_step"] for r in ranks] == [0, 0]
 
 
-def test_a_non_finite_loss_stops_every_process_before_deepspeed_steps(tmp_path):
+@pytest.mark.slow
+def test_a_non_finite_loss_stops_every_process_before_deepspeed_steps(tmp_path, free_port):
     """Under DeepSpeed the optimizer steps inside the backward of a window's last micro-batch: the check must
     come before it. Process 1's loss is infinite (its gradients finite) in the second optimizer step: both stop,
     the parameters those of the first step."""
-    ranks = launch("zero3", tmp_path, 29619, "fault=nanloss")
+    ranks = launch("zero3", tmp_path, free_port, "fault=nanloss")
     for rank in ranks:
         assert "non-finite loss at iteration 2" in rank["error"] and "parameters were not updated" in rank["error"]
         after_first, final = rank["checksums"]

@@ -106,6 +106,7 @@ def test_episodes_per_seed_cycles_through_every_task_of_the_split(tmp_path):
         evaluation(tmp_path, "--policy", "random", "--episodes_per_seed", "0", out="bad")
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_random_player_on_real_alfworld_games_per_task_type(tmp_path):
     text = f"""env_name: alfworld
@@ -132,6 +133,7 @@ max_env_steps: 3
     assert "valid_unseen (out-of-distribution)" in table
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_expert_player_wins_real_alfworld_games(tmp_path):
     """ALFWorld's handcoded expert, through the rollout: it wins the first two valid_unseen games
@@ -209,6 +211,7 @@ def test_bad_input_is_one_line_and_exit_code_2_before_any_model_loads(tmp_path, 
     assert re.search(message, err), err
 
 
+@pytest.mark.slow
 def test_evaluate_py_at_the_repository_root(tmp_path):
     """The command a user types: the random player needs no model, and bad input exits with code 2."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

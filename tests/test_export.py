@@ -76,6 +76,7 @@ def test_merge_matches_adapter_model_and_keeps_tokenizer(tmp_path, run):
     assert_merged(out, run)
 
 
+@pytest.mark.slow
 def test_cli_takes_tokenizer_from_base_and_an_explicit_base_model(tmp_path, run):
     base, _, bare, _, _ = run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

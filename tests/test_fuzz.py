@@ -18,6 +18,7 @@ from functools import partial
 from pathlib import Path
 from unittest import mock
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -132,6 +133,7 @@ def test_long_repeated_tags_parse_in_linear_time():
         assert time.perf_counter() - start < 1.0
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(outputs=st.lists(OUTPUTS, min_size=1, max_size=6), mode=st.sampled_from(ACTION_MODES),
        require_think=st.booleans(), invalid_action=st.sampled_from(["noop", "end_episode"]),

@@ -24,19 +24,21 @@ def test_the_model_is_qwen25_1_5b_shaped():
     assert model.config.num_key_value_heads == 2 and model.config.tie_word_embeddings
 
 
+@pytest.mark.slow
 def test_the_check_runs_on_a_scaled_down_model_on_the_cpu(tmp_path):
     from hgpo_trl.envs import make_tasks
 
     tokenizer = AutoTokenizer.from_pretrained(QWEN25)
     folder = gpu_check.build_model_folder(tokenizer, tmp_path / "model", shape=(1, 16, 2, 1, 32, 151936), device="cpu")
     result = gpu_check.check(folder, tokenizer, env_name="keydoor", env_kwargs=None,
-                             tasks=make_tasks("keydoor", "train", num_tasks=8), iterations=2, completion_tokens=8,
+                             tasks=make_tasks("keydoor", "train", num_tasks=8), iterations=1, completion_tokens=8,
                              env_steps=2, use_vllm=False, device="cpu")
     assert result["loss_finite"] and result["generation_tokens_per_s"] > 0 and result["optimizer_steps"] >= 1
     assert result["importance_ratio_mean"] is None and result["peak_gpu_gib"] is None
     assert "tok/s" in gpu_check.report(result) and "finite" in gpu_check.report(result)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the check would run, not skip")
 def test_without_cuda_it_says_so_and_exits_zero():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--tokenizer", str(QWEN25)],

@@ -122,6 +122,7 @@ def test_a_registered_estimator_shows_up_in_the_lab(temporary_estimator):
     assert rows["lab_test_zero"]["curve"]["success"] == pytest.approx([rows["lab_test_zero"]["curve"]["success"][0]] * 3)
 
 
+@pytest.mark.slow
 def test_the_quick_preset_runs_and_writes_its_outputs(tmp_path, capsys):
     assert main(["--quick", "--output_dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out

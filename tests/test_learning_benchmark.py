@@ -70,6 +70,7 @@ def test_learning_curves_resume_and_results_section(tmp_path, capsys):
         main([*TINY, "--output_dir", str(out), "--resume", "--learning_rate", "1e-4"])
 
 
+@pytest.mark.slow
 def test_parallel_runs_give_the_same_curves(tmp_path):
     from benchmarks.learning import main
 
@@ -87,6 +88,7 @@ def test_parallel_runs_give_the_same_curves(tmp_path):
         main([*TINY, "--output_dir", str(tmp_path / "none"), "--jobs", "0"])
 
 
+@pytest.mark.slow
 def test_a_run_that_stops_early_ends_its_curve_where_it_stopped(tmp_path):
     # Learning rate 0: the first evaluation during training (iteration 1) scores as the warm start did and stops
     # the run. The curve must end there, not at the iteration cap with an evaluation labelled as if the run had

@@ -68,6 +68,7 @@ def test_the_wheel_installs_one_top_level_package_with_every_environment_module(
     assert "hgpo_trl/envs/__init__.py" in names and not any("__pycache__" in name for name in names)
 
 
+@pytest.mark.slow
 def test_the_wheel_in_a_fresh_venv_outside_the_repository_plays_keydoor(wheel, tmp_path):
     python = bare_venv(tmp_path / "venv")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
@@ -79,6 +80,7 @@ def test_the_wheel_in_a_fresh_venv_outside_the_repository_plays_keydoor(wheel, t
     assert Path(webshop) == installed / "hgpo_trl" / "envs" / "webshop" / "env.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["from the repository root", "PYTHONPATH=."])
 def test_a_source_checkout_without_any_install_finds_the_environments_in_envs(tmp_path, how):
     python = bare_venv(tmp_path / "venv")
@@ -88,11 +90,13 @@ def test_a_source_checkout_without_any_install_finds_the_environments_in_envs(tm
     assert Path(webshop) == ROOT / "envs" / "webshop" / "env.py"
 
 
+@pytest.mark.slow
 def test_the_editable_install_works_from_any_folder(tmp_path):
     init, webshop = run_python(sys.executable, PLAY_ONE_EPISODE, cwd=tmp_path)
     assert (Path(init), Path(webshop)) == (ROOT / "hgpo_trl" / "envs" / "__init__.py", ROOT / "envs" / "webshop" / "env.py")
 
 
+@pytest.mark.slow
 def test_a_module_named_envs_earlier_on_the_path_does_not_shadow_ours(tmp_path):
     """PyPI's `envs` or a user's own `envs/` folder: both stay theirs, and ours is still `hgpo_trl.envs`."""
     (tmp_path / "envs").mkdir()

@@ -60,6 +60,7 @@ def rollout_prompts(env_factory, tasks, settings, tokenizer, completion_text="<a
     return seen, [encode_prompt(tokenizer, p) for p in seen]
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_alfworld_prompts_through_the_real_chat_template_fit_their_budget(qwen25, tmp_path):
     tasks = list(make_tasks("alfworld", "valid_seen", data_path=ALFWORLD, num_tasks=1))
@@ -198,6 +199,7 @@ train_iterations: 2
 """
 
 
+@pytest.mark.slow
 @needs_alfworld
 def test_a_qwen_shaped_tiny_model_trains_on_real_alfworld_through_train_py_and_evaluates(tmp_path):
     from hgpo_trl import evaluate
@@ -226,6 +228,7 @@ output_dir: {tmp_path / 'run'}
     assert result["tasks"] == 1 and result["seeds"][0]["episode_length"] <= 2
 
 
+@pytest.mark.slow
 def test_a_qwen_shaped_tiny_lora_run_on_webshop_merges_and_evaluates(tmp_path, qwen25):
     """The Python API: the tiny model of Qwen2.5's shape with LoRA on WebShop, 2 iterations, saved; hgpo-merge
     turns the adapter into a model folder that transformers, and hgpo-eval, load with the same tokenizer."""

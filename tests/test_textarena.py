@@ -237,6 +237,7 @@ plots: false
 """
 
 
+@pytest.mark.slow
 def test_train_py_trains_the_tiny_model_on_secretary_with_env_workers(tmp_path, capsys):
     from hgpo_trl.cli import main
 

@@ -7,6 +7,7 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hgpo_trl.advantages import compute_advantages
 from hgpo_trl.envs import make_env, make_tasks
@@ -55,15 +56,23 @@ def test_records_hold_every_field_of_every_step(tmp_path):
     assert all(0 in r["peer_levels"] for r in back if r["t"] == 0)
 
 
-def test_show_and_summary(tmp_path):
+def scripted_records() -> list[dict]:
     task, rollout = scripted_rollout()
-    records = rollout_records(rollout, [task], None, gamma=0.95, invalid_penalty=0.1, depth=2)
+    return rollout_records(rollout, [task], None, gamma=0.95, invalid_penalty=0.1, depth=2)
+
+
+def test_show_and_summary():
+    records = scripted_records()
     text = show_episode(records, 1)
     assert text.startswith("episode 1 (task group 0): won") and "INVALID ('')" in text and "[t=4]" in text
     summary = summarize(records)
     assert summary["episodes"] == 2 and summary["success_by_task_type"] == {"all": {"episodes": 2, "success_rate": 1.0}}
     assert summary["invalid_reasons"] == {"empty output": 1} and summary["most_common_failing_states"] == []
-    path = write_records(tmp_path / "d.jsonl", records)
+
+
+@pytest.mark.slow
+def test_show_and_summary_on_the_command_line(tmp_path):
+    path = write_records(tmp_path / "d.jsonl", scripted_records())
     shown = subprocess.run([sys.executable, "-m", "hgpo_trl.trajectories", "show", str(path), "--episode", "0"],
                            cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "episode 0" in shown.stdout
