@@ -114,6 +114,7 @@ class _Pack:
 
     def _unpack(self, game_id: str, folder: Path) -> None:
         """Write the two files alfworld reads; the domain and grammar are the installed package's."""
+        _import_alfworld()  # the first import of alfworld.info, made without changing the caller's environment
         from alfworld.info import ALFRED_PDDL_PATH, ALFRED_TWL2_PATH
 
         with gzip.open(self.path, "rt", encoding="utf-8") as lines:

@@ -13,6 +13,8 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,6 +220,27 @@ def requested_env_modules(argv: list[str], config: dict[str, Any]) -> list[str]:
     if "--env_modules" in argv:
         names = list(itertools.takewhile(lambda a: not a.startswith("--"), argv[argv.index("--env_modules") + 1:]))
     return [names] if isinstance(names, str) else list(names)
+
+
+@contextmanager
+def entry_point_scope() -> Iterator[None]:
+    """What `train.py` and `hgpo-eval` change in their process for a run, put back after it: their `main` may be
+    called from Python (a notebook, a test), whose process stays its own. `sys.path`: env_modules are found from
+    the working directory, put first for the run (its environment workers are started with it). DeepSpeed's CPU
+    accelerator is named when there is no CUDA: what DeepSpeed picks then anyway, without its "unable to detect"
+    warning."""
+    import torch
+
+    path = list(sys.path)
+    name_accelerator = not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ
+    if name_accelerator:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        if name_accelerator:
+            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def import_env_modules(names: list[str]) -> None:

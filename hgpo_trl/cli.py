@@ -10,17 +10,15 @@ Three sections, all top-level keys of the YAML: `EnvArguments` (below), `HGPOCon
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from trl import ModelConfig, get_peft_config
 
-from hgpo_trl.arguments import TINY, ConfigError, EnvArguments, parse
+from hgpo_trl.arguments import TINY, ConfigError, EnvArguments, entry_point_scope, parse
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.reporting import (
@@ -130,24 +128,8 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     return summary
 
 
-@contextmanager
-def deepspeed_cpu_accelerator():
-    """Without CUDA, DeepSpeed's CPU accelerator named for the block: what DeepSpeed picks then anyway, without its
-    "unable to detect" warning. The environment is left as it was: `main` may be called from Python."""
-    import torch
-
-    name = not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ
-    if name:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        yield
-    finally:
-        if name:
-            os.environ.pop("DS_ACCELERATOR", None)
-
-
 def main(argv: list[str] | None = None) -> None:
-    with deepspeed_cpu_accelerator():
+    with entry_point_scope():
         try:
             env_args, args, model_args = parse(argv)
         except ConfigError as err:

@@ -38,7 +38,14 @@ from tqdm.auto import tqdm
 from trl import ModelConfig
 
 from hgpo_trl.actions import format_action
-from hgpo_trl.arguments import TINY, ConfigError, EnvArguments, check_model_path, parse_sections
+from hgpo_trl.arguments import (
+    TINY,
+    ConfigError,
+    EnvArguments,
+    check_model_path,
+    entry_point_scope,
+    parse_sections,
+)
 from hgpo_trl.cli import load_model as build_training_model
 from hgpo_trl.cli import load_tasks
 from hgpo_trl.config import HGPOConfig
@@ -519,12 +526,13 @@ def write_report(report: Mapping[str, Any], output_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        evaluation = prepare(argv)
-    except ConfigError as err:
-        print(f"evaluate.py: configuration error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    report = run(evaluation)
+    with entry_point_scope():
+        try:
+            evaluation = prepare(argv)
+        except ConfigError as err:
+            print(f"evaluate.py: configuration error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        report = run(evaluation)
     for r in report["results"]:
         score = f", score {_percent(r['score'])}" if "score" in r else ""
         print(f"{r['policy']} on {r['split']}: success {_percent(r['success_rate'])}{score} % over "

@@ -1,7 +1,7 @@
 """No test changes the process for the next one. Every test starts from one global RNG state, and a test (or a
 module's fixtures, checked when its module's last test ends) that leaves changed what a later test would inherit
 fails, naming what changed: environment variables, the estimator and environment registries, the working
-directory, torch's default dtype, thread count and grad mode, logging levels, files in the checkout (`git
+directory, `sys.path`, torch's default dtype, thread count and grad mode, logging levels, files in the checkout (`git
 status`) and caches under $HOME. What it changed is put back, so one leak fails one test, not the ones after it.
 
 The caches the suite writes on purpose (hgpo-trl's ALFWorld games, matplotlib's font list, the notebook
@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def process_state() -> dict[str, object]:
         "registered estimators": dict(hgpo_trl.advantages.ESTIMATORS),
         "registered environments": dict(hgpo_trl.envs.registry._REGISTRY),
         "working directory": os.getcwd(),
+        "import path (sys.path)": list(sys.path),
         "torch default dtype": torch.get_default_dtype(),
         "torch threads": torch.get_num_threads(),
         "torch grad mode": torch.is_grad_enabled(),
@@ -123,6 +125,7 @@ def restore(state: dict[str, object]) -> None:
         registry.clear()
         registry.update(saved)
     os.chdir(state["working directory"])
+    sys.path[:] = state["import path (sys.path)"]
     torch.set_default_dtype(state["torch default dtype"])
     torch.set_num_threads(state["torch threads"])
     torch.set_grad_enabled(state["torch grad mode"])
