@@ -21,6 +21,8 @@ export HF_HUB_DISABLE_TELEMETRY := 1
 # DeepSpeed compiles its CPU collective op (deepspeed_shm_comm) on first use, 2 minutes on 2 cores: once, at
 # set-up, into the venv, not into ~/.cache in the middle of a test.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
+# The cores this process may use. Not a bare nproc: it answers OMP_NUM_THREADS, which CI sets to 1.
+CORES := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 
 .PHONY: test test-all demo lint bench system-deps deepspeed-ops clean gpu-wheels
 
@@ -50,7 +52,7 @@ deepspeed-ops:
 
 # The tests run in TEST_WORKERS processes (pytest-xdist; the multi-process tests launch their own on top); each
 # keeps one thread. tests/README.md: which tier a test joins, the time budget, the isolation check.
-TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+TEST_WORKERS ?= $(CORES)
 PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10
 
 # The fast tier, every test not marked slow, in a new random order each run: the seed is in the command make
@@ -67,7 +69,7 @@ test-all: $(VENV)/.installed-$(TEST_EXTRAS)
 
 # The demo is one process, so it may use the cores (up to 4: a tiny model gains nothing from more); the tests
 # keep one thread each, many of their processes share the machine.
-DEMO_THREADS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+DEMO_THREADS ?= $(shell n=$(CORES); echo $$(( n < 4 ? n : 4 )))
 
 # DEMO_ARGS: train.py options after the config, e.g. `make demo DEMO_ARGS="--seed 3"`.
 DEMO_ARGS ?=
