@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run, nothing installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hgpo_trl.advantages import StepBatch, compute_advantages, observation_keys
 from tests import reference
 

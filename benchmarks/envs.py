@@ -18,7 +18,8 @@ from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run, nothing installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run, nothing installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Qwen2.5-1.5B-Instruct's shape: (layers, hidden, heads, kv heads, intermediate, embedding rows).
 QWEN25_1_5B = (28, 1536, 12, 2, 8960, 151936)

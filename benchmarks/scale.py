@@ -28,7 +28,8 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", str(min(os.cpu_count() or 1, 4)))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run, nothing installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 # (layers, hidden, heads, kv heads, intermediate, embedding rows, tied) of Qwen2.5-Instruct checkpoints.
