@@ -47,8 +47,8 @@ system-deps:
 	fi
 
 deepspeed-ops:
-	PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c \
-		"from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None"
+	PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import \
+		build_shm_op; build_shm_op() or print('DeepSpeed has no CPU shared-memory op here: it uses gloo alone')"
 
 # The tests run in TEST_WORKERS processes (pytest-xdist; the multi-process tests launch their own on top); each
 # keeps one thread. tests/README.md: which tier a test joins, the time budget, the isolation check.

@@ -12,7 +12,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # DeepSpeed's CPU runs compile a collective op on first use: `make` builds it into the venv at set-up.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+if sys.prefix != sys.base_prefix:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 import pytest
 
@@ -21,17 +22,30 @@ from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.keydoor import COLORS, ROOMS
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
-from tests.isolation import isolated, pytest_runtest_setup, pytest_runtest_teardown, redirect_caches  # noqa: F401
+from tests.isolation import (  # noqa: F401 (the check's fixture and hooks, for every test)
+    isolated,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+    redirect_caches,
+)
 
 atexit.register(shutil.rmtree, redirect_caches(), ignore_errors=True)  # before any test: the run's own caches
 pytest_plugins = ["pytester"]  # tests/test_isolation.py runs pytest on tests that leak
 
 
-@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
+def pytest_configure(config):
+    """pytest-randomly reseeds Python's and numpy's generators before each test from the run's seed: keep the
+    one state every test starts from (tests/isolation.py), so a test draws the same in either tier."""
+    if hasattr(config.option, "randomly_reset_seed"):
+        config.option.randomly_reset_seed = False
+
+
 def pytest_collection_modifyitems(items):
-    """The slow tests first, their order otherwise kept: under pytest-xdist the long ones start at once and the short
-    ones fill the gaps, instead of one long test ending the run alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The modules that hold slow tests first, each kept whole (their module fixtures are built once): under
+    pytest-xdist the long tests start at once and the short ones fill the gaps, instead of one long test
+    ending the run alone."""
+    slow_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
 
 
 @pytest.fixture

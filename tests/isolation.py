@@ -1,8 +1,9 @@
 """No test changes the process for the next one. Every test starts from one global RNG state, and a test (or a
-module's fixtures, checked when its module's last test ends) that leaves changed what a later test would inherit
-fails, naming what changed: environment variables, the estimator and environment registries, the working
-directory, `sys.path`, torch's default dtype, thread count and grad mode, logging levels, files in the checkout (`git
-status`) and caches under $HOME. What it changed is put back, so one leak fails one test, not the ones after it.
+module's fixtures, checked when its module's last test ends) that leaves changed what a later test would
+inherit fails, naming what changed: environment variables, the estimator and environment registries, the
+working directory, `sys.path`, torch's default dtype, thread count and grad mode, logging levels, files in the
+checkout (`git status`, and what ignored folders hold) and caches under $HOME. What it changed is put back, so
+one leak fails one test, not the ones after it.
 
 The caches the suite writes on purpose (hgpo-trl's ALFWorld games, matplotlib's font list, the notebook
 kernel's IPython profile) are pointed at a folder of the test run's own (`redirect_caches`, called by
@@ -77,13 +78,22 @@ def process_state() -> dict[str, object]:
 
 
 def files_state() -> dict[str, object]:
-    """What one test leaves to every later one, in any process: files in the checkout, caches under $HOME."""
-    status = subprocess.run(["git", "status", "--porcelain", "--ignored=matching", "--untracked-files=all"], cwd=ROOT,
-                            capture_output=True, text=True, check=False).stdout.splitlines()
+    """What one test leaves to every later one, in any process: files in the checkout (ignored ones too: what is
+    written under outputs/ is a leftover as well), caches under $HOME."""
+    status = subprocess.run(["git", "status", "--porcelain", "--ignored=matching", "--untracked-files=all"],
+                            cwd=ROOT, capture_output=True, text=True, check=False).stdout.splitlines()
+    files = set()
+    for line in status:
+        path = line[3:]
+        if not any(tool in path for tool in TOOL_FILES):
+            # git names an ignored folder once, whatever it holds: list what it holds
+            files.update([path] if not path.endswith("/") else
+                         (str(p.relative_to(ROOT)) for p in (ROOT / path).rglob("*")))
     caches = HOME / ".cache"
     return {
-        "files in the checkout": {line[3:] for line in status if not any(t in line for t in TOOL_FILES)},
-        "caches under $HOME": {str(p.relative_to(HOME)) for p in (*HOME.glob("*"), *caches.glob("*/*"))},
+        "files in the checkout": files,
+        "caches under $HOME": {str(p.relative_to(HOME)) for p in (*HOME.glob("*"), *caches.glob("*"),
+                                                                  *caches.glob("*/*"))},
     }
 
 
@@ -169,14 +179,17 @@ def pytest_runtest_setup(item):
     module = item.nodeid.split("::")[0]
     if module not in started:
         started.clear()
-        started[module] = process_state()
+        started[module] = {**process_state(), **files_state()}
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a module's last test has torn its module-scoped fixtures down: compare."""
-    yield
-    started = item.session.stash.get(MODULE_START, {})
-    module = item.nodeid.split("::")[0]
-    if (nextitem is None or nextitem.nodeid.split("::")[0] != module) and module in started:
-        check(started.pop(module), process_state(), f"the fixtures of {module}")
+    """After a module's last test has torn its module-scoped fixtures down: compare (also when that teardown
+    failed, the test's own check included: a module's leak must not reach the next module unreported)."""
+    try:
+        return (yield)
+    finally:
+        started = item.session.stash.get(MODULE_START, {})
+        module = item.nodeid.split("::")[0]
+        if (nextitem is None or nextitem.nodeid.split("::")[0] != module) and module in started:
+            check(started.pop(module), {**process_state(), **files_state()}, f"the fixtures of {module}")

@@ -35,9 +35,11 @@ def tutorial_definitions() -> dict:
     """The tutorial's imports, constants, functions and classes, without its cells' work (games for every split,
     registrations, training): its environment, tried in seconds."""
     path = ROOT / "examples" / "byo_textworld.py"
-    definitions = [node for node in ast.parse(path.read_text()).body
-                   if isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)
-                   or (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets))]
+    def is_definition(node: ast.stmt) -> bool:
+        constant = isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id.isupper() for t in node.targets)
+        return constant or isinstance(node, ast.Import | ast.ImportFrom | ast.FunctionDef | ast.ClassDef)
+
+    definitions = [node for node in ast.parse(path.read_text()).body if is_definition(node)]
     namespace = {"__name__": "byo_textworld"}
     exec(compile(ast.Module(definitions, type_ignores=[]), str(path), "exec"), namespace)
     return namespace

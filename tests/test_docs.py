@@ -63,10 +63,16 @@ def test_every_command_block_is_marked():
     assert not unmarked, f"command blocks without a <!-- block: run|gpu|long|fragment --> line: {unmarked}"
 
 
-# `<!-- block: run [slow] [needs...] -->`: "slow" puts the block in the full tier (tests/README.md).
-RUNNABLE = [pytest.param(doc, language, body, [w for w in marker.group(2).split() if w != "slow"],
-                         id=f"{doc.name}:{line}", marks=[pytest.mark.slow] if "slow" in marker.group(2).split() else [])
-            for doc, line, language, body, marker in blocks() if marker is not None and marker.group(1) == "run"]
+def runnable():
+    """`<!-- block: run [slow] [needs...] -->` blocks: "slow" puts one in the full tier (tests/README.md)."""
+    for doc, line, language, body, marker in blocks():
+        if marker is not None and marker.group(1) == "run":
+            words = marker.group(2).split()
+            yield pytest.param(doc, language, body, [w for w in words if w != "slow"], id=f"{doc.name}:{line}",
+                               marks=[pytest.mark.slow] if "slow" in words else [])
+
+
+RUNNABLE = list(runnable())
 
 
 def checkout_mirror(folder: Path) -> Path:

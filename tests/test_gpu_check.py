@@ -31,7 +31,7 @@ def test_the_check_runs_on_a_scaled_down_model_on_the_cpu(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(QWEN25)
     folder = gpu_check.build_model_folder(tokenizer, tmp_path / "model", shape=(1, 16, 2, 1, 32, 151936), device="cpu")
     result = gpu_check.check(folder, tokenizer, env_name="keydoor", env_kwargs=None,
-                             tasks=make_tasks("keydoor", "train", num_tasks=8), iterations=1, completion_tokens=8,
+                             tasks=make_tasks("keydoor", "train", num_tasks=8), iterations=2, completion_tokens=8,
                              env_steps=2, use_vllm=False, device="cpu")
     assert result["loss_finite"] and result["generation_tokens_per_s"] > 0 and result["optimizer_steps"] >= 1
     assert result["importance_ratio_mean"] is None and result["peak_gpu_gib"] is None

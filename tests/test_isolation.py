@@ -1,6 +1,7 @@
 """The isolation check (tests/isolation.py) fails a test that leaves the process changed, names the change and
 puts it back; every test starts from the same RNG state. Run on small test files by pytest itself (pytester)."""
 
+import logging
 import os
 
 import pytest
@@ -14,9 +15,9 @@ CONFTEST = "from tests.isolation import isolated, pytest_runtest_setup, pytest_r
 def run(pytester):
     pytester.makeconftest(CONFTEST)
 
-    def run_tests(source: str):
+    def run_tests(source: str, *options: str):
         pytester.makepyfile(test_leaks=source)
-        return pytester.runpytest_inprocess("-p", "no:randomly", "-p", "no:cacheprovider", "-p", "no:xdist")
+        return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", *(options or ["-p", "no:randomly"]))
 
     return run_tests
 
@@ -79,21 +80,45 @@ def test_two(leaky):
 """)
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*the fixtures of test_leaks.py left the process changed*"])
+    assert "HGPO_LEAK_CHECK" not in os.environ
 
 
-def test_every_test_starts_from_the_same_rng_state(run):
+def test_a_logging_level_and_a_folder_left_in_a_cache_under_home_are_caught(run, tmp_path, monkeypatch):
+    import tests.isolation
+
+    monkeypatch.setattr(tests.isolation, "HOME", tmp_path)  # not the real $HOME: other workers look at it
+    (tmp_path / ".cache").mkdir()
+    result = run(f"""
+import logging
+from pathlib import Path
+
+def test_verbose():
+    logging.getLogger().setLevel(logging.DEBUG)
+
+def test_caches():
+    (Path({str(tmp_path)!r}) / ".cache" / "some_tool").mkdir()
+""")
+    # A folder cannot be put back: its test fails, and its module's check at the end says it again.
+    result.assert_outcomes(passed=2, errors=2)
+    result.stdout.fnmatch_lines(["*logging levels: <root>: 30 -> 10*",
+                                 "*test_caches left*", "*caches under $HOME: added*.cache/some_tool*",
+                                 "*the fixtures of test_leaks.py left*"])
+    assert logging.getLogger().level == logging.WARNING
+
+
+@pytest.mark.parametrize("order", [["-p", "no:randomly"], ["-p", "randomly", "--randomly-seed=7"]])
+def test_every_test_starts_from_the_same_rng_state(run, pytester, order):
+    pytester.makeconftest(CONFTEST + "from tests.conftest import pytest_configure  # noqa: F401\n")
     result = run("""
 import random
 import numpy as np
+import pytest
 import torch
 
-DRAWS = []
-
-def test_first():
-    DRAWS.append((random.random(), np.random.rand(), torch.rand(1).item()))
-
-def test_second():
-    DRAWS.append((random.random(), np.random.rand(), torch.rand(1).item()))
-    assert DRAWS[0] == DRAWS[1]
-""")
-    result.assert_outcomes(passed=2)
+@pytest.mark.parametrize("test", range(3))
+def test_draws_as_from_seed_0(test):
+    expected = (random.Random(0).random(), np.random.RandomState(0).rand(),
+                torch.rand(1, generator=torch.Generator().manual_seed(0)).item())
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+""", *order)
+    result.assert_outcomes(passed=3)

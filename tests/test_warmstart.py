@@ -33,7 +33,8 @@ def trl_prepared(tokenizer, pairs, answer, tmp_path) -> Dataset:
     return SFTTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer).train_dataset
 
 
-@pytest.mark.parametrize("tokenizer_name", ["tiny", "qwen2.5-tokenizer", pytest.param("qwen3-tokenizer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tokenizer_name",
+                         ["tiny", "qwen2.5-tokenizer", pytest.param("qwen3-tokenizer", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("action_mode", ["plain", "tags"])
 def test_sft_dataset_matches_trl(tokenizer_name, action_mode, tiny_tokenizer, tmp_path):
     if tokenizer_name == "tiny":

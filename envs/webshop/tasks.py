@@ -27,9 +27,6 @@ ORIGINAL_SPLIT_MIN_GOALS = 2000
 EVAL_FRACTION = 0.1
 TEXT_FIELDS = ("asin", "instruction", "query", "category", "product_category", "name")
 LIST_FIELDS = ("attributes", "goal_options")
-COLUMNS = ("goal_id", *TEXT_FIELDS, *LIST_FIELDS, "price_upper")
-
-
 def features() -> datasets.Features:
     """The task rows' columns and types."""
     import datasets
@@ -92,7 +89,8 @@ def webshop_tasks(split: str = "train", data_path: str | Path | None = None, num
                          f"too few for a {split!r} split")
     if num_tasks is not None:
         ids = [ids[i % len(ids)] for i in range(num_tasks)]
-    rows = {name: [] for name in COLUMNS}
+    schema = features()
+    rows = {name: [] for name in schema}
     for goal_id in ids:
         goal = goals[goal_id]
         rows["goal_id"].append(goal_id)
@@ -103,4 +101,4 @@ def webshop_tasks(split: str = "train", data_path: str | Path | None = None, num
         rows["price_upper"].append(goal.price_upper)
     import datasets
 
-    return datasets.Dataset.from_dict(rows, features=features())
+    return datasets.Dataset.from_dict(rows, features=schema)
