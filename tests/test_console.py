@@ -2,13 +2,13 @@
 dicts or shard bars unless asked, a labelled warm start, a warning when most outputs are invalid, and an output
 folder without empty leftovers and with our own model card."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from hgpo_trl.cli import main
+from tests.test_alfworld import needs_alfworld
 from tests.test_cli import TINY_RUN, write
 
 
@@ -72,10 +72,8 @@ def test_a_hub_id_that_is_not_in_the_offline_cache_is_one_line(tmp_path, capfd, 
     assert f"ModelConfig.model_name_or_path: {model!r} is not a folder, and no model of that hub id" in err
 
 
+@needs_alfworld  # looked up, not imported: importing alfworld sets ALFWORLD_DATA, which later tests inherited
 def test_alfworld_without_data_is_one_line(tmp_path, capfd, monkeypatch):
-    # Not importorskip: importing alfworld sets ALFWORLD_DATA (to ~/.cache/alfworld), which later tests inherited.
-    if importlib.util.find_spec("alfworld") is None:
-        pytest.skip("needs the alfworld extra")
     monkeypatch.delenv("ALFWORLD_DATA", raising=False)
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", write(tmp_path, TINY_RUN.replace("env_name: keydoor", "env_name: alfworld"))])
