@@ -1,4 +1,5 @@
-"""Checkpoints that a kill cannot corrupt, holding the trainer's own state beside the Trainer's."""
+"""Checkpoints that a kill cannot corrupt, holding the trainer's own state beside the Trainer's, and the saved KL
+reference of a model built in memory, which a resumed run reads back."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import PartialState
+from transformers import PreTrainedModel
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -50,6 +53,53 @@ def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
         rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
     trainer.accelerator.wait_for_everyone()
+
+
+def save_in_memory_reference(model, processing_class, args) -> None:
+    """TRL rebuilds the KL reference from `model.config._name_or_path`: a model built (or warm-started) in memory
+    has none, so save its initial weights to `output_dir/reference_model` and point the config at them. A resumed
+    run (`args.resume_from_checkpoint`) keeps the reference its start saved: the model passed in to resume is
+    not the one the run started from."""
+    if not isinstance(model, PreTrainedModel) or model.config._name_or_path:
+        return  # a path, an id, or a PEFT model (whose disabled adapter is the reference)
+    path = Path(args.output_dir) / "reference_model"
+    if args.resume_from_checkpoint:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"resume_from_checkpoint with beta={args.beta} and a model built in memory: the KL "
+                             f"reference saved when the run started, {path}, is missing (resume into the run's "
+                             "own output_dir)")
+    else:
+        state = PartialState()
+        if state.is_main_process:
+            model.save_pretrained(path)
+            if processing_class is not None:  # a complete model folder: vLLM and evaluate.py can load it
+                processing_class.save_pretrained(path)
+        state.wait_for_everyone()
+    model.config._name_or_path = str(path)
+
+
+def save_checkpoint(trainer, trial, parent_save: Callable[[], None]) -> None:
+    """The Trainer's checkpoint (`parent_save()`) plus each process's own run state (the iterations played, the
+    fault streak, its sub-sampling stream, seeded per process), staged (`save_staged`)."""
+
+    def write(folder: str) -> None:
+        parent_save()
+        write_trainer_state(folder, trainer.accelerator.process_index, {
+            "iterations": trainer.completed_iterations, "faulty_streak": trainer._faulty_streak,
+            "sample_rng": trainer._sample_rng.bit_generator.state})
+
+    save_staged(trainer, trial, write)
+
+
+def load_run_state(trainer, checkpoint: str) -> None:
+    """A resumed run continues the iteration count (the stop, the tasks, the schedule, dump names and the
+    diagnostics cadence), the fault streak and the sub-sampling stream of `checkpoint`: it is the run it
+    continues."""
+    state = read_trainer_state(checkpoint, trainer.accelerator.process_index)
+    trainer._iteration = state.get("iterations", trainer._iteration)
+    trainer._faulty_streak = state.get("faulty_streak", trainer._faulty_streak)
+    if "sample_rng" in state:
+        trainer._sample_rng.bit_generator.state = state["sample_rng"]
 
 
 def write_trainer_state(folder: str | Path, rank: int, state: dict[str, Any]) -> None:

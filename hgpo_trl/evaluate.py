@@ -14,30 +14,25 @@ Each task of each split (at most `num_eval_tasks`) is played once per seed at `e
 WebShop's score, success per task type (ALFWorld's six), each per seed and as mean and std over the seeds, in
 `evaluation.json` and `evaluation.md` under `eval_output_dir`.
 
-Environments are stepped in batch by the training rollout (`hgpo_trl.rollout.run_rollout`; worker processes for
-slow environments); generation is vLLM when `use_vllm` is set and a GPU is visible, else transformers' generate.
+The command line: its arguments and checks, then every player, seed and split in turn. Who plays is
+`hgpo_trl.players` (generation: vLLM when `use_vllm` is set and a GPU is visible, else transformers' generate);
+how a split is played and scored, `hgpo_trl.evaluation`, the protocol the trainer's evaluate() shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
-import random
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
-from tqdm.auto import tqdm
 from trl import ModelConfig
 
-from hgpo_trl.actions import format_action
 from hgpo_trl.arguments import (
     TINY,
     ConfigError,
@@ -46,21 +41,24 @@ from hgpo_trl.arguments import (
     entry_point_scope,
     parse_sections,
 )
-from hgpo_trl.cli import load_model as build_training_model
 from hgpo_trl.cli import load_tasks
 from hgpo_trl.config import HGPOConfig
-from hgpo_trl.envs import TextEnv, make_env
-from hgpo_trl.envs.pool import default_num_workers, make_env_batch
+from hgpo_trl.envs import make_env
+from hgpo_trl.envs.pool import make_env_batch, worker_count
 from hgpo_trl.envs.registry import is_fast_env
-from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
-from hgpo_trl.generation import encode_prompt, generate_completions, generation_settings
-from hgpo_trl.rollout import Completion, Episode, Policy, RolloutSettings, ScriptedPolicy, run_rollout
-from hgpo_trl.trajectories import TASK_TYPE_FIELDS, rollout_records, write_records
+from hgpo_trl.evaluation import (
+    DEFAULT_SPLITS,
+    PAPER_SEEDS,
+    percent,
+    play,
+    seed_outcome,
+    seeded_env,
+    summarize,
+    write_report,
+)
+from hgpo_trl.players import expert_player, model_policy, random_player
 
 POLICIES = ("model", "random", "expert")
-PAPER_SEEDS = (123, 456, 789)  # the released validation seeds
-DEFAULT_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",), "keydoor": ("valid",)}
-SPLIT_LABELS = {("alfworld", "valid_seen"): "in-distribution", ("alfworld", "valid_unseen"): "out-of-distribution"}
 
 
 @dataclass
@@ -187,260 +185,6 @@ def result_folder(eval_args: EvalArguments, args: HGPOConfig, model_args: ModelC
     return free
 
 
-# ---------------------------------------------------------------------------------------------- players
-def random_player(seed: int, action_mode: str) -> ScriptedPolicy:
-    """Uniform over each environment's admissible actions, from its own RNG: the same seed, the same games."""
-    rng = random.Random(seed)
-
-    def play(prompts: list[str], infos: list[Mapping[str, Any]]) -> list[Completion]:
-        return [Completion(format_action(rng.choice(info["admissible_actions"]), action_mode)) for info in infos]
-
-    return play
-
-
-def expert_player(action_mode: str) -> ScriptedPolicy:
-    """The environment's own expert (`expert=True`: ALFWorld's handcoded one puts its next action in the info)."""
-
-    def play(prompts: list[str], infos: list[Mapping[str, Any]]) -> list[Completion]:
-        return [Completion(format_action(info["expert_action"], action_mode)) for info in infos]
-
-    return play
-
-
-class ModelPolicy:
-    """A model as a rollout policy: each turn's prompts go to one `generate(prompt_ids) -> completion_ids` call,
-    encoded as the trainer encodes them (the chat template with its generation prompt, when there is one)."""
-
-    def __init__(self, tokenizer, generate: Callable[[list[list[int]]], list[list[int]]],
-                 chat_template_kwargs: dict[str, Any] | None = None):
-        self.tokenizer, self.generate = tokenizer, generate
-        self.chat_template_kwargs = chat_template_kwargs or {}
-        self._encoded: dict[str, list[int]] = {}
-
-    def encode(self, text: str) -> list[int]:
-        return encode_prompt(self.tokenizer, text, self.chat_template_kwargs)
-
-    def count_tokens(self, text: str) -> int:
-        # The rollout counts tokens to fit each prompt to the context: keep the ids for generation.
-        self._encoded[text] = self.encode(text)
-        return len(self._encoded[text])
-
-    def __call__(self, prompts: list[str]) -> list[Completion]:
-        prompt_ids = [self._encoded[p] if p in self._encoded else self.encode(p) for p in prompts]
-        self._encoded.clear()  # this turn's fitting attempts
-        if not prompts:
-            return []
-        completion_ids = self.generate(prompt_ids)
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return [Completion(text=text, prompt_ids=p, completion_ids=c)
-                for text, p, c in zip(texts, prompt_ids, completion_ids, strict=True)]
-
-
-def load_tokenizer(name: str, **kwargs: Any):
-    """AutoTokenizer, except for a tokenizer saved as a bare tokenizer.json (the tiny word-level one, as a run saves
-    it): next to a qwen2 config.json AutoTokenizer would rebuild it as a byte-level BPE and garble every prompt."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    config_file = Path(name).expanduser() / "tokenizer_config.json"
-    if config_file.is_file() and json.loads(config_file.read_text()).get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
-        return PreTrainedTokenizerFast.from_pretrained(name)
-    return AutoTokenizer.from_pretrained(name, **kwargs)
-
-
-def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig):
-    """(model, tokenizer) of model_name_or_path: 'tiny' built for the environment's training tasks as train.py
-    builds it, a LoRA adapter folder merged into its base, or a model folder / hub id."""
-    from transformers import AutoModelForCausalLM
-
-    name = model_args.model_name_or_path
-    if name == TINY:
-        train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)
-        return build_training_model(model_args, env_args, args, train_tasks)
-    options = {"dtype": model_args.dtype or "auto", "attn_implementation": model_args.attn_implementation,
-               "trust_remote_code": args.trust_remote_code}
-    folder = Path(name).expanduser()
-    if (folder / ADAPTER_CONFIG).is_file():
-        from peft import AutoPeftModelForCausalLM
-
-        # Merged once here: generation then runs at the base model's speed.
-        model = AutoPeftModelForCausalLM.from_pretrained(folder, **options).merge_and_unload()
-        has_tokenizer = (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file()
-        base = json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-        return model, load_tokenizer(str(folder) if has_tokenizer else base)
-    model = AutoModelForCausalLM.from_pretrained(name, revision=model_args.model_revision, **options)
-    return model, load_tokenizer(name, revision=model_args.model_revision, trust_remote_code=args.trust_remote_code)
-
-
-def eos_token_ids(declared: int | list[int] | None, tokenizer) -> list[int]:
-    """Every end token the model declares (its generation config's), and the tokenizer's, as TRL stops completions."""
-    ids = [declared] if isinstance(declared, int) else list(declared or [])
-    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
-
-
-def hf_generator(model, tokenizer, args: HGPOConfig, temperature: float):
-    """transformers' generate on a whole turn (left-padded), with the config's sampling settings; the global torch
-    RNG (seeded per evaluation seed) drives sampling."""
-    import torch
-    from transformers import GenerationConfig
-
-    device = "cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu"
-    model.to(device).eval()
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    eos = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
-    # Sampling settings only when sampling: greedy decoding would warn that they are ignored.
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": args.top_p, "top_k": args.top_k,
-                "min_p": args.min_p} if temperature > 0 else {"do_sample": False}
-    config = GenerationConfig(**{"max_new_tokens": args.max_completion_length,
-                                 "repetition_penalty": args.repetition_penalty, "pad_token_id": tokenizer.pad_token_id,
-                                 "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos, **sampling,
-                                 **(args.generation_kwargs or {})})
-
-    def generate(prompt_ids: list[list[int]]) -> list[list[int]]:
-        return generate_completions(model, config, prompt_ids, tokenizer.pad_token_id, eos)
-
-    return generate
-
-
-def vllm_generator(model_path: str, tokenizer, args: HGPOConfig, model_args: ModelConfig, temperature: float):
-    """vLLM in this process on token ids (its own tokenizer is never loaded); each request gets a seed drawn from
-    Python's `random` (seeded per evaluation seed), so a seed gives the same completions."""
-    from transformers import GenerationConfig
-    from vllm import LLM, SamplingParams
-
-    try:
-        declared = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json
-        declared = None
-    eos = eos_token_ids(declared, tokenizer)
-    llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=model_args.dtype or "auto",
-              tensor_parallel_size=args.vllm_tensor_parallel_size,
-              gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.vllm_max_model_length,
-              trust_remote_code=args.trust_remote_code)
-
-    def generate(prompt_ids: list[list[int]]) -> list[list[int]]:
-        params = [SamplingParams(**{"n": 1, "temperature": temperature, "top_p": args.top_p, "top_k": args.top_k,
-                                    "min_p": args.min_p or 0.0, "repetition_penalty": args.repetition_penalty,
-                                    "max_tokens": args.max_completion_length, "stop_token_ids": eos,
-                                    "detokenize": False, "seed": random.randrange(2**31),
-                                    **(args.generation_kwargs or {})}) for _ in prompt_ids]
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-        return [list(output.outputs[0].token_ids) for output in outputs]
-
-    return generate
-
-
-def model_policy(evaluation: Evaluation, settings: RolloutSettings) -> tuple[ModelPolicy, RolloutSettings, str]:
-    """The policy of model_name_or_path, the rollout settings with its prompt budget, and the backend's name."""
-    import torch
-
-    args, model_args = evaluation.args, evaluation.model_args
-    name = model_args.model_name_or_path
-    adapter = (Path(name).expanduser() / ADAPTER_CONFIG).is_file()
-    if args.use_vllm and name != TINY and torch.cuda.is_available():
-        from transformers import AutoConfig
-
-        if adapter:  # vLLM reads a model folder: merge the adapter into one
-            from hgpo_trl.export import merge_adapter
-
-            name = str(merge_adapter(name, evaluation.output_dir / "merged_model"))
-        model_config = AutoConfig.from_pretrained(name, trust_remote_code=args.trust_remote_code)
-        tokenizer = load_tokenizer(name, trust_remote_code=args.trust_remote_code)
-        generate = vllm_generator(name, tokenizer, args, model_args, evaluation.temperature)
-        backend = "vllm"
-    else:
-        if args.use_vllm:
-            print("evaluate.py: use_vllm is set, but vLLM runs on a GPU and not the tiny model: generating with "
-                  "transformers")
-        model, tokenizer = load_model(model_args, evaluation.env_args, args)
-        model_config = model.config
-        generate = hf_generator(model, tokenizer, args, evaluation.temperature)
-        backend = "transformers"
-    settings = generation_settings(settings, tokenizer, model_config,
-                                   args.vllm_max_model_length if backend == "vllm" else None, args.max_completion_length)
-    return ModelPolicy(tokenizer, generate, args.chat_template_kwargs), settings, backend
-
-
-# ---------------------------------------------------------------------------------------------- playing
-def seeded_env(seed: int, name: str, kwargs: Mapping[str, Any]) -> TextEnv:
-    """A new environment, with Python's global `random` seeded in the process that steps it (a worker, for slow
-    environments): ALFWorld's expert breaks ties with it."""
-    random.seed(seed)
-    return make_env(name, **kwargs)
-
-
-def play(envs, tasks: Sequence[Mapping[str, Any]], player: Policy | ScriptedPolicy, settings: RolloutSettings, *,
-         scripted: bool, count_tokens: Callable[[str], int] | None, description: str, quiet: bool,
-         dump: Path | None, args: HGPOConfig) -> list[Episode]:
-    """Every task played once, len(envs) at a time; the episodes in task order. A progress bar counts the games
-    done and the success so far; `dump` receives the trajectories (hgpo_trl.trajectories reads them)."""
-    episodes: list[Episode] = []
-    records: list[dict[str, Any]] = []
-    with tqdm(total=len(tasks), desc=description, unit="game", disable=quiet, dynamic_ncols=True) as bar:
-        ended = wins = 0  # (a disabled bar counts nothing)
-
-        def on_episode_end(episode: Episode) -> None:
-            nonlocal ended, wins
-            ended, wins = ended + 1, wins + episode.won
-            bar.update(1)
-            bar.set_postfix(success=f"{wins / ended:.3f}")
-
-        for start in range(0, len(tasks), len(envs)):
-            chunk = list(tasks[start:start + len(envs)])
-            rollout = run_rollout(envs, chunk, 1, player, settings, on_episode_end=on_episode_end,
-                                  count_tokens=count_tokens, scripted=scripted)
-            episodes += rollout.episodes  # one rollout per task: episode k played chunk[k]
-            if dump is not None:
-                for record in rollout_records(rollout, chunk, None, gamma=args.gamma,
-                                              invalid_penalty=args.invalid_penalty, depth=args.depth):
-                    record["episode"] += start  # numbered across chunks, so a reader keeps episodes apart
-                    records.append(record)
-    if dump is not None:
-        write_records(dump, records)
-    return episodes
-
-
-def seed_outcome(seed: int, tasks: Sequence[Mapping[str, Any]], episodes: Sequence[Episode]) -> dict[str, Any]:
-    """One seed's row: success (an environment fault counts as a failure), score when the environment grades
-    outcomes, episode length, invalid outputs, faults, and success per task type when tasks have one."""
-    won = np.array([e.won for e in episodes], dtype=float)
-    steps = sum(e.steps for e in episodes)
-    row: dict[str, Any] = {"seed": seed, "success_rate": float(won.mean()),
-                           "episode_length": steps / len(episodes),
-                           "invalid_rate": sum(e.invalid for e in episodes) / max(steps, 1),
-                           "faults": sum(e.fault is not None for e in episodes)}
-    if any(e.score is not None for e in episodes):
-        row["score"] = float(np.mean([e.score or 0.0 for e in episodes]))
-    types = np.array([task_type(task) for task in tasks])
-    if all(types):
-        row["task_types"] = {t: float(won[types == t].mean()) for t in sorted(set(types))}
-    return row
-
-
-def task_type(task: Mapping[str, Any]) -> str:
-    """The task row's own type (ALFWorld's `task_type`), "" when it has none."""
-    return next((str(task[f]) for f in TASK_TYPE_FIELDS if f in task), "")
-
-
-def mean_std(values: Sequence[float]) -> dict[str, float]:
-    """Mean and population std over seeds."""
-    return {"mean": float(np.mean(values)), "std": float(np.std(values))}
-
-
-def summarize(env_name: str, policy: str, split: str, tasks: Sequence[Mapping[str, Any]],
-              rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {"policy": policy, "split": split, "label": SPLIT_LABELS.get((env_name, split)),
-                              "tasks": len(tasks), "success_rate": mean_std([r["success_rate"] for r in rows])}
-    if all("score" in r for r in rows):
-        result["score"] = mean_std([r["score"] for r in rows])
-    if all("task_types" in r for r in rows):
-        types = [task_type(task) for task in tasks]
-        result["task_types"] = {t: {"tasks": types.count(t), **mean_std([r["task_types"][t] for r in rows])}
-                                for t in rows[0]["task_types"]}
-    result["seeds"] = list(rows)
-    return result
-
-
 def run(evaluation: Evaluation) -> dict[str, Any]:
     """Play every split with every player and seed; write evaluation.json and evaluation.md; return the result."""
     from transformers import set_seed
@@ -449,12 +193,12 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
     eval_args, args = evaluation.eval_args, evaluation.args
     settings = args.rollout_settings()
     scripted_settings = dataclasses.replace(settings, max_prompt_tokens=None)  # their prompts are never read
-    model, model_settings, backend = (model_policy(evaluation, settings) if "model" in eval_args.policy
-                                      else (None, settings, None))
+    model, model_settings, backend = (
+        model_policy(args, evaluation.model_args, evaluation.env_args, evaluation.temperature, settings,
+                     evaluation.output_dir) if "model" in eval_args.policy else (None, settings, None))
     largest = max(len(tasks) for tasks in evaluation.tasks.values())
     num_envs = min(eval_args.num_envs or args.tasks_per_device * args.num_generations, largest)
-    workers = args.env_workers if args.env_workers is not None else (
-        0 if is_fast_env(args.env_name) else default_num_workers())
+    workers = worker_count(args.env_workers, is_fast_env(args.env_name))
     dumps = evaluation.output_dir / "trajectories" if args.trajectory_dump_every else None
     results = []
     for policy in eval_args.policy:
@@ -487,44 +231,6 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
     return report
 
 
-# ---------------------------------------------------------------------------------------------- report
-def _percent(value: dict[str, float] | float) -> str:
-    if isinstance(value, dict):
-        return f"{100 * value['mean']:.1f} ± {100 * value['std']:.1f}"
-    return f"{100 * value:.1f}"
-
-
-def markdown(report: Mapping[str, Any]) -> str:
-    """The results as a Markdown table in percent, the paper's unit: a row per seed, then mean ± std."""
-    results = report["results"]
-    types = sorted({t for r in results for t in r.get("task_types", {})})
-    scored = any("score" in r for r in results)
-    header = ["policy", "split", "seed", "tasks", "success", *(["score"] if scored else []), *types]
-    model = f"model `{report['model']}` ({report['backend']}), " if report["model"] else ""
-    lines = [f"# Evaluation on {report['env']}", "",
-             f"{model}temperature {report['temperature']}, seeds {', '.join(map(str, report['seeds']))}, at most "
-             f"{report['max_env_steps']} steps. Success{' and score' if scored else ''} in %; mean ± std "
-             "(population) over the seeds.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in results:
-        split = f"{r['split']} ({r['label']})" if r["label"] else r["split"]
-        for row in [*r["seeds"], None]:
-            source = r if row is None else row  # None: the mean ± std row
-            cells = [r["policy"], split, "mean ± std" if row is None else str(row["seed"]), str(r["tasks"]),
-                     _percent(source["success_rate"])]
-            if scored:
-                cells.append(_percent(source["score"]) if "score" in source else "–")
-            cells += [_percent(source["task_types"][t]) if t in source.get("task_types", {}) else "–" for t in types]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def write_report(report: Mapping[str, Any], output_dir: Path) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "evaluation.json").write_text(json.dumps(report, indent=2) + "\n")
-    (output_dir / "evaluation.md").write_text(markdown(report))
-
-
 def main(argv: list[str] | None = None) -> None:
     with entry_point_scope():
         try:
@@ -534,8 +240,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from None
         report = run(evaluation)
     for r in report["results"]:
-        score = f", score {_percent(r['score'])}" if "score" in r else ""
-        print(f"{r['policy']} on {r['split']}: success {_percent(r['success_rate'])}{score} % over "
+        score = f", score {percent(r['score'])}" if "score" in r else ""
+        print(f"{r['policy']} on {r['split']}: success {percent(r['success_rate'])}{score} % over "
               f"{len(report['seeds'])} seed{'s' * (len(report['seeds']) != 1)}")
     print(f"wrote {evaluation.output_dir / 'evaluation.json'} and evaluation.md")
 

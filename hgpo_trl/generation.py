@@ -1,13 +1,26 @@
-"""Prompt encoding and transformers generation shared by the trainer's rollouts and `hgpo-eval`, so that both
-play the same prompts and cut the same completions."""
+"""Generation: a model as a rollout policy. Prompt encoding, transformers generation and `ModelPolicy` are shared
+by the trainer's rollouts and `hgpo-eval`, so that both play the same prompts and cut the same completions; the
+trainer's backend (vLLM, or its own model with ZeRO-3 / FSDP weights gathered) is `trainer_generator`, and
+`trainer_rollout` plays one rollout with it, every process in step with the others."""
 
+import copy
+import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import GenerationConfig
+from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
+
+from hgpo_trl.collective import any_process, process_values
+from hgpo_trl.rollout import Completion, Rollout, run_rollout
+
+# generate(prompt_ids) -> (completion_ids, sampling log-probabilities per token, or None when the backend has none)
+Generate = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
 
 
 def encode_prompt(tokenizer, text: str, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
@@ -76,10 +89,115 @@ def generation_settings(settings, tokenizer, model_config, vllm_max_model_length
     """`settings` (RolloutSettings) for playing with `tokenizer` and this model: environment text guarded
     against spelling control tokens, and, when no max_prompt_tokens was set, prompts fitted to the generator's
     context minus the completion. The trainer and hgpo-eval both play with these, so they play the same prompts."""
-    import dataclasses
-
     budget = settings.max_prompt_tokens
     if budget is None:
         budget = prompt_budget(getattr(model_config, "max_position_embeddings", None), vllm_max_model_length,
                                max_completion_length)
     return dataclasses.replace(settings, max_prompt_tokens=budget, escape_text=control_text_guard(tokenizer))
+
+
+class ModelPolicy:
+    """A model as a rollout policy: each turn's prompts go to one `generate` call, encoded with the chat template
+    and its generation prompt (the plain text when the tokenizer has none). `prompts_per_call(n)`: how many
+    prompts a call must hold when this process has `n` (a collective backend needs every process in every call,
+    with the same count when it slices by position): the rest are dummy prompts, their completions dropped."""
+
+    def __init__(self, tokenizer, generate: Generate, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 prompts_per_call: Callable[[int], int] | None = None):
+        self.tokenizer, self.generate, self.prompts_per_call = tokenizer, generate, prompts_per_call
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self._encoded: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text, self.chat_template_kwargs)
+
+    def count_tokens(self, text: str) -> int:
+        # The rollout counts tokens to fit each prompt to the context: keep the ids for generation.
+        self._encoded[text] = self.encode(text)
+        return len(self._encoded[text])
+
+    def __call__(self, prompts: list[str]) -> list[Completion]:
+        prompt_ids = [self._encoded[p] if p in self._encoded else self.encode(p) for p in prompts]
+        self._encoded.clear()  # this turn's fitting attempts
+        count = self.prompts_per_call(len(prompt_ids)) if self.prompts_per_call else len(prompt_ids)
+        padded = prompt_ids + [self.encode("")] * (count - len(prompt_ids))
+        if padded:
+            completion_ids, logprobs = self.generate(padded)
+        if not prompt_ids:  # (batch_decode([]) is not [])
+            return []
+        completion_ids = completion_ids[: len(prompt_ids)]
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return [Completion(text=text, prompt_ids=p, completion_ids=c, logprobs=None if logprobs is None else logprobs[i])
+                for i, (text, p, c) in enumerate(zip(texts, prompt_ids, completion_ids, strict=True))]
+
+
+def sampling_config(config: GenerationConfig, temperature: float) -> GenerationConfig:
+    """A copy of `config` that samples at `temperature`, or decodes greedily at 0 (without the sampling
+    settings, TRL's top_k 0 among them, which would only draw warnings)."""
+    config = copy.deepcopy(config)
+    config.do_sample = temperature > 0
+    if config.do_sample:
+        config.temperature = temperature
+    else:
+        config.temperature, config.top_k = 1.0, None
+    return config
+
+
+@contextmanager
+def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
+    """The trainer's `Generate` for one whole rollout: TRL's vLLM backend (weights synced once per rollout, at a
+    new optimizer step) or the policy model itself, unwrapped with ZeRO-3 / FSDP weights gathered once per
+    rollout, not once per turn."""
+    if trainer.use_vllm:
+        backend = trainer.vllm_generation
+        if trainer.state.global_step != trainer._last_loaded_step:  # TRL's own record of the synced step
+            backend.sync_weights()
+            trainer._last_loaded_step = trainer.state.global_step
+        previous, backend.temperature = backend.temperature, temperature
+
+        def generate(prompt_ids):
+            _, completion_ids, logprobs, _ = backend.generate(prompts=prompt_ids, images=None, num_generations=1)
+            return completion_ids, [[lp[0] for lp in seq] for seq in logprobs]
+
+        try:
+            yield generate
+        finally:
+            backend.temperature = previous
+        return
+    config = sampling_config(trainer.generation_config, temperature)
+    with (unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator,
+                                      gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+                                      generation_kwargs=trainer.generation_kwargs,
+                                      gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs)
+          as model, torch.no_grad(),
+          # FSDP (v1) shards the parameters: gather them for generation, as TRL does (a no-op otherwise).
+          trainer._dist.summon_full_params(trainer.model_wrapped, recurse=False)):
+        pad_token_id = trainer._tokenizer.pad_token_id  # (TRL's: the tokenizer of a processor too)
+        yield lambda prompt_ids: (generate_completions(model, config, prompt_ids, pad_token_id,
+                                                       trainer.eos_token_ids), None)
+
+
+def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_size: int, temperature: float,
+                    description: str) -> Rollout:
+    """One rollout of the trainer's policy: every task played `group_size` times in `envs`, a turn per
+    `trainer_generator` call. With several processes every process joins every call (with dummy prompts when
+    it has no live episode, or fewer than a backend that slices by position needs) until no process has a live
+    episode."""
+    bar = tqdm(total=trainer.args.max_env_steps, desc=description, unit="turn", leave=False, dynamic_ncols=True,
+               disable=trainer.args.disable_tqdm or not trainer.accelerator.is_main_process)
+
+    def on_turn(turn: int, live: int) -> None:
+        bar.update(turn + 1 - bar.n)
+        bar.set_postfix(live_episodes=live, refresh=False)
+
+    def lockstep_count(count: int) -> int:
+        by_position = slices_by_position(trainer.use_vllm, trainer.vllm_mode, trainer.vllm_tensor_parallel_size)
+        return prompts_per_call(count, process_values(trainer.accelerator, count) if by_position else None)
+
+    lockstep = trainer.accelerator.num_processes > 1
+    with trainer_generator(trainer, temperature) as generate, bar:
+        policy = ModelPolicy(trainer._tokenizer, generate, trainer.chat_template_kwargs,
+                             prompts_per_call=lockstep_count if lockstep else None)
+        return run_rollout(envs, tasks, group_size, policy, trainer.rollout_settings, on_turn=on_turn,
+                           keep_going=(lambda live: any_process(trainer.accelerator, live > 0)) if lockstep else None,
+                           count_tokens=policy.count_tokens)

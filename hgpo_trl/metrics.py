@@ -88,6 +88,15 @@ def completion_metrics(steps, eos_token_ids) -> dict[str, float]:
             "completions/max_terminated_length": stat(terminated, np.max)}
 
 
+def gathered_metrics(accelerator, local: dict[str, float]) -> dict[str, float]:
+    """Every process's `local` metrics (the same keys everywhere: one gather), combined (`combine_processes`)."""
+    import torch
+
+    names = sorted(local)
+    gathered = accelerator.gather(torch.tensor([local[k] for k in names], device=accelerator.device)[None])
+    return combine_processes(names, gathered.reshape(-1, len(names)).cpu().numpy())
+
+
 def combine_processes(names: list[str], rows: np.ndarray) -> dict[str, float]:
     """Per metric, its value over processes (`rows`: one row per process, columns in `names` order): the
     minimum for a `min` metric (`.../min`, `.../min_length`), the maximum for a `max` one, else the mean,

@@ -55,6 +55,27 @@ def validation_lines(log_history: Sequence[Mapping[str, Any]]) -> list[str]:
     return [lines[0] + ".", *lines[1:]]
 
 
+def write_model_card(args, *, model_name: str | None, base_model: str, log_history: Sequence[Mapping[str, Any]],
+                     completed_iterations: int) -> Path:
+    """The card of the run configured by `args` (its HGPOConfig), with the installed libraries' versions, written
+    to output_dir/README.md (`model_name`: default the output folder's name)."""
+    import torch
+    import transformers
+    import trl
+
+    import hgpo_trl
+
+    card = render_model_card(
+        model_name=model_name or Path(args.output_dir).name, base_model=base_model, args=args,
+        estimator_options=args.estimator_options(), log_history=log_history, completed_iterations=completed_iterations,
+        versions={"hgpo-trl": hgpo_trl.__version__, "TRL": trl.__version__, "Transformers": transformers.__version__,
+                  "PyTorch": torch.__version__})
+    path = Path(args.output_dir, "README.md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(card)
+    return path
+
+
 def render_model_card(*, model_name: str, base_model: str, args, estimator_options: Mapping[str, Any],
                       log_history: Sequence[Mapping[str, Any]], completed_iterations: int,
                       versions: Mapping[str, str]) -> str:

@@ -73,13 +73,20 @@ def transformers_bars_off():
             logging.enable_progress_bar()
 
 
-def quiet_console(trainer) -> None:
+def set_up_reporting(trainer) -> None:
     """The console of a run: the progress bar, `IterationLine`'s lines and `InvalidOutputWarning`; TRL's metrics
     dicts only with `console_metrics` (HF's PrinterCallback prints them when the bars are off, ProgressCallback
-    when on)."""
+    when on). TensorBoard writes into output_dir: its writer opens at the first log, and evaluate() before
+    train() would otherwise put it in ./runs."""
+    from transformers.integrations import TensorBoardCallback
+    from transformers.integrations.integration_utils import default_logdir
+
     from hgpo_trl.iterations import IterationProgress
 
     handler, args = trainer.callback_handler, trainer.args
+    for callback in handler.callbacks:
+        if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
+            callback.logging_dir = str(Path(args.output_dir) / default_logdir())
     if not args.console_metrics:
         handler.remove_callback(PrinterCallback)
     if not args.disable_tqdm:

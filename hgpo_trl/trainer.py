@@ -6,99 +6,48 @@ parent's machinery (clipped loss, KL, optimizer, logging) trains on them, in one
 (`HGPOConfig.step_batching`, `hgpo_trl.step_batches`): a fixed budget of samples through TRL's own buffer, or
 every step once in as many optimizer steps as the steps fill (as released). Only what per-step samples require
 is overridden: the task dataloader, the batch (`_generate_and_score_completions`, `_prepare_inputs`), the
-schedule, checkpoints and `evaluate`.
+schedule, checkpoints and `evaluate`; what each override needs lives in the module named for it (generation,
+loss_inputs, evaluation, checkpoints, metrics: docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import transformers
-import trl
-from accelerate import PartialState
 from accelerate.utils import gather_object
 from datasets import Dataset
-from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedModel
-from transformers.integrations import TensorBoardCallback
-from transformers.integrations.integration_utils import default_logdir
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing, unwrap_model_for_generation
-from trl.trainer.utils import pad, use_adapter
 
-import hgpo_trl
 from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
-from hgpo_trl.checkpoints import cpu_map_location, read_trainer_state, save_staged, write_trainer_state
+from hgpo_trl.checkpoints import cpu_map_location, load_run_state, save_checkpoint, save_in_memory_reference
+from hgpo_trl.collective import any_process, process_max, process_sum
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
-from hgpo_trl.envs.pool import EnvBatch, default_num_workers, make_env_batch
+from hgpo_trl.envs.pool import EnvBatch, make_env_batch, worker_count
 from hgpo_trl.envs.registry import is_fast_env
-from hgpo_trl.generation import (
-    encode_prompt,
-    generate_completions,
-    generation_settings,
-    prompts_per_call,
-    slices_by_position,
-)
+from hgpo_trl.evaluation import play_shared, validation_metrics
+from hgpo_trl.generation import generation_settings, trainer_rollout
 from hgpo_trl.iterations import EarlyStop, IterationCadence, IterationCount, iteration_schedule
-from hgpo_trl.metrics import SampleCounts, combine_processes, iteration_metrics
-from hgpo_trl.model_card import render_model_card
-from hgpo_trl.reporting import quiet_console, transformers_bars_off
-from hgpo_trl.rollout import Completion, Rollout, StepRecord, run_rollout
+from hgpo_trl.loss_inputs import all_steps_counts, all_steps_inputs, budget_inputs, logprob_inputs
+from hgpo_trl.metrics import SampleCounts, gathered_metrics, iteration_metrics
+from hgpo_trl.model_card import write_model_card
+from hgpo_trl.reporting import set_up_reporting, transformers_bars_off
+from hgpo_trl.rollout import Rollout, StepRecord
 from hgpo_trl.sampler import TaskSampler
-from hgpo_trl.step_batches import (
-    importance_sampling_ratio,
-    plan_micro_batches,
-    sample_tensors,
-    sampling_metrics,
-    select_budget,
-    windows_for,
-)
+from hgpo_trl.step_batches import plan_micro_batches, sample_tensors, windows_for
 from hgpo_trl.trajectories import rollout_records, write_records
-
-# The keys of the generation dict that GRPOTrainer's loss reads (tests/test_trainer.py pins them).
-LOSS_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
-                   "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
-                   "importance_sampling_ratio")
 
 
 def env_reward(completions: list, **kwargs: Any) -> list[float]:
     """Placeholder reward function: GRPOTrainer requires one, but rewards come from the environment."""
     raise RuntimeError("env_reward is a placeholder: HGPOTrainer takes rewards from the environment")
-
-
-def _save_in_memory_reference(model, processing_class, args: HGPOConfig) -> None:
-    """TRL rebuilds the KL reference from `model.config._name_or_path`: a model built (or warm-started) in memory
-    has none, so save its initial weights to `output_dir/reference_model` and point the config at them. A resumed
-    run (`args.resume_from_checkpoint`) keeps the reference its start saved: the model passed in to resume is
-    not the one the run started from."""
-    if not isinstance(model, PreTrainedModel) or model.config._name_or_path:
-        return  # a path, an id, or a PEFT model (whose disabled adapter is the reference)
-    path = Path(args.output_dir) / "reference_model"
-    if args.resume_from_checkpoint:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"resume_from_checkpoint with beta={args.beta} and a model built in memory: the KL "
-                             f"reference saved when the run started, {path}, is missing (resume into the run's "
-                             "own output_dir)")
-    else:
-        state = PartialState()
-        if state.is_main_process:
-            model.save_pretrained(path)
-            if processing_class is not None:  # a complete model folder: vLLM and evaluate.py can load it
-                processing_class.save_pretrained(path)
-        state.wait_for_everyone()
-    model.config._name_or_path = str(path)
 
 
 class HGPOTrainer(GRPOTrainer):
@@ -127,27 +76,20 @@ class HGPOTrainer(GRPOTrainer):
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
         if args.beta != 0.0 and peft_config is None:
-            _save_in_memory_reference(model, processing_class, args)
+            save_in_memory_reference(model, processing_class, args)
         super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config)
-        for callback in self.callback_handler.callbacks:
-            # The writer opens at the first log: evaluate() before train() would otherwise put it in ./runs.
-            if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
-                callback.logging_dir = os.path.join(args.output_dir, default_logdir())
         self.env_factory = env_factory or partial(make_env, args.env_name, **(args.env_kwargs or {}))
         self.rollout_settings = generation_settings(args.rollout_settings(), self._tokenizer, self.model.config,
                                                     args.vllm_max_model_length if args.use_vllm else None,
                                                     args.max_completion_length)
-        self._env_workers = args.env_workers
-        if self._env_workers is None:  # a slow environment gets a worker pool sized to this process's cores
-            fast = env_factory is not None or is_fast_env(args.env_name)
-            self._env_workers = 0 if fast else default_num_workers(self.accelerator.state.num_processes)
+        self._env_workers = worker_count(args.env_workers, env_factory is not None or is_fast_env(args.env_name),
+                                         self.accelerator.state.num_processes)
         self._envs: EnvBatch | None = None
         self.last_level_stats: list = []  # HGPO's level statistics of the last rollout (plots)
         self._sample_rng = np.random.default_rng(args.seed + self.accelerator.process_index)
-        self._training_seconds = 0.0
-        self._batch_seconds = 0.0
+        self._training_seconds = self._batch_seconds = 0.0
         # Rollouts started (the 1-based number of the current iteration), in a mutable object: the Trainer builds a
         # DeepSpeed-config scheduler on a shallow copy of itself, and the iteration schedule must see the count.
         self._iterations = IterationCount()
@@ -167,9 +109,9 @@ class HGPOTrainer(GRPOTrainer):
         self.add_callback(IterationCadence(self))
         self.early_stop = EarlyStop(self)
         self.add_callback(self.early_stop)
-        quiet_console(self)
+        set_up_reporting(self)
 
-    # ------------------------------------------------------------------ tasks
+    # ------------------------------------------------------------------ tasks and rollouts
     def get_train_dataloader(self):
         if self.args.step_batching == "all_steps":
             # The batches come from the rollouts (_prepare_inputs): the dataloader only counts the micro-steps,
@@ -177,7 +119,7 @@ class HGPOTrainer(GRPOTrainer):
             ticks = Dataset.from_dict({"tick": list(range(self.args.max_steps * self.args.gradient_accumulation_steps
                                                          * self.accelerator.num_processes))})
             return self._get_dataloader(dataset=ticks, description="Training", batch_size=1,
-                                        sampler_fn=lambda dataset: torch.utils.data.SequentialSampler(dataset),
+                                        sampler_fn=torch.utils.data.SequentialSampler,
                                         is_training=True)
         return self._get_dataloader(dataset=self.train_dataset, description="Training",
                                     batch_size=self.args.tasks_per_device, sampler_fn=self._get_train_sampler,
@@ -189,7 +131,6 @@ class HGPOTrainer(GRPOTrainer):
                            repeat=self.args.steps_per_generation * self.num_iterations,
                            shuffle=self.shuffle_dataset, seed=self.args.seed)
 
-    # ------------------------------------------------------------------ rollouts
     def _environments(self) -> EnvBatch:
         """The process's environments, built once (worker processes start in seconds): one per rollout of an
         iteration; evaluation plays its tasks in chunks of that size."""
@@ -205,105 +146,10 @@ class HGPOTrainer(GRPOTrainer):
             self._envs.close()
             self._envs = None
 
-    def _encode_prompt(self, text: str) -> list[int]:
-        return encode_prompt(self._tokenizer, text, self.chat_template_kwargs)
-
-    def _lockstep(self) -> bool:
-        """Whether every process must run the same number of generate calls (collective backends)."""
-        return self.accelerator.num_processes > 1
-
-    def _generation_count(self, count: int) -> int:
-        """How many prompts this process sends to one generate call, for `count` of its own."""
-        if not self._lockstep():
-            return count
-        counts = None
-        if slices_by_position(self.use_vllm, self.vllm_mode, self.vllm_tensor_parallel_size):
-            counts = self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).tolist()
-        return prompts_per_call(count, counts)
-
-    def _any_live(self, live: int) -> bool:
-        if not self._lockstep():
-            return live > 0
-        total = self.accelerator.reduce(torch.tensor(live, device=self.accelerator.device), reduction="sum")
-        return int(total.item()) > 0
-
-    @contextmanager
-    def _generation_backend(self, temperature: float):
-        """Yields `generate(prompt_ids) -> (completion_ids, logprobs)` for one whole rollout: weights are synced
-        (vLLM) or gathered (ZeRO-3) once per rollout, not once per turn."""
-        if self.use_vllm:
-            backend = self.vllm_generation
-            if self.state.global_step != self._last_loaded_step:
-                backend.sync_weights()
-                self._last_loaded_step = self.state.global_step
-            previous = backend.temperature
-            backend.temperature = temperature
-
-            def generate(prompt_ids):
-                _, completion_ids, logprobs, _ = backend.generate(prompts=prompt_ids, images=None, num_generations=1)
-                return completion_ids, [[lp[0] for lp in seq] for seq in logprobs]
-
-            try:
-                yield generate
-            finally:
-                backend.temperature = previous
-            return
-        config = copy.deepcopy(self.generation_config)
-        config.do_sample = temperature > 0
-        if not config.do_sample:  # greedy: sampling settings (TRL's top_k 0 among them) would only draw warnings
-            config.temperature, config.top_k = 1.0, None
-        else:
-            config.temperature = temperature
-        with (unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                          gather_deepspeed3_params=self.args.ds3_gather_for_generation,
-                                          generation_kwargs=self.generation_kwargs,
-                                          gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs)
-              as model, torch.no_grad(),
-              # FSDP (v1) shards the parameters: gather them for generation, as TRL does (a no-op otherwise).
-              self._dist.summon_full_params(self.model_wrapped, recurse=False)):
-            yield partial(self._hf_generate, model, config)
-
-    def _hf_generate(self, model, config: GenerationConfig, prompt_ids: list[list[int]]):
-        return generate_completions(model, config, prompt_ids, self._tokenizer.pad_token_id, self.eos_token_ids), None
-
     def _play(self, tasks: list[Mapping[str, Any]], group_size: int, temperature: float,
               description: str = "rollout") -> Rollout:
-        envs = self._environments()
-        bar = tqdm(total=self.args.max_env_steps, desc=description, unit="turn", leave=False, dynamic_ncols=True,
-                   disable=self.args.disable_tqdm or not self.accelerator.is_main_process)
-
-        def on_turn(turn: int, live: int) -> None:
-            bar.update(turn + 1 - bar.n)
-            bar.set_postfix(live_episodes=live, refresh=False)
-
-        # Fitting a prompt to the context counts its tokens: keep those ids for generation, not a second encode.
-        encoded: dict[str, list[int]] = {}
-
-        def count_tokens(text: str) -> int:
-            encoded[text] = self._encode_prompt(text)
-            return len(encoded[text])
-
-        with self._generation_backend(temperature) as generate, bar:
-
-            def policy(prompts: list[str]) -> list[Completion]:
-                prompt_ids = [encoded[p] if p in encoded else self._encode_prompt(p) for p in prompts]
-                encoded.clear()  # the fitting attempts of this turn
-                # Keep collective backends in step: pad with a dummy prompt (a process with nothing live still
-                # generates; vLLM's server mode needs the same count on every process).
-                padded = prompt_ids + [self._encode_prompt("")] * (self._generation_count(len(prompt_ids))
-                                                                  - len(prompt_ids))
-                if padded:
-                    completion_ids, logprobs = generate(padded)
-                if not prompt_ids:  # (batch_decode([]) is not [])
-                    return []
-                completion_ids = completion_ids[: len(prompt_ids)]
-                texts = self._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-                return [Completion(text=text, prompt_ids=p, completion_ids=c,
-                                   logprobs=None if logprobs is None else logprobs[i])
-                        for i, (text, p, c) in enumerate(zip(texts, prompt_ids, completion_ids, strict=True))]
-
-            return run_rollout(envs, tasks, group_size, policy, self.rollout_settings,
-                               keep_going=self._any_live, on_turn=on_turn, count_tokens=count_tokens)
+        """One rollout of `tasks`, each `group_size` times, in the process's environments."""
+        return trainer_rollout(self, self._environments(), tasks, group_size, temperature, description)
 
     # ------------------------------------------------------------------ iterations
     @property
@@ -344,13 +190,14 @@ class HGPOTrainer(GRPOTrainer):
         tick = time.perf_counter()
         advantages = compute_advantages(self.args.estimator, batch, **self.args.estimator_options())
         advantage_seconds = time.perf_counter() - tick
-        bad = torch.tensor(float(not np.all(np.isfinite(advantages))), device=self.accelerator.device)
-        if self.accelerator.reduce(bad, reduction="max").item() > 0:  # decided together: no process waits alone
+        if any_process(self.accelerator, not np.all(np.isfinite(advantages))):  # no process raises alone
             raise FloatingPointError(f"non-finite advantages at iteration {self._iteration + 1} (estimator "
                                      f"{self.args.estimator!r}); the parameters were not updated")
         every = self.args.trajectory_dump_every
         if every and self._iteration % every == 0:
-            self._dump(f"iter_{self._iteration + 1:06d}", self._records(rollout, tasks, advantages))
+            self._dump(f"iter_{self._iteration + 1:06d}", rollout_records(
+                rollout, tasks, advantages, gamma=self.args.gamma, invalid_penalty=self.args.invalid_penalty,
+                depth=self.args.depth))
         return rollout, batch, advantages, advantage_seconds
 
     # ------------------------------------------------------------------ fixed_budget: through TRL's buffer
@@ -374,33 +221,18 @@ class HGPOTrainer(GRPOTrainer):
         window's last micro-batch, so a check after it would come too late. Every process takes the same
         decision, so none is left waiting in a collective."""
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        bad = torch.tensor(float(not torch.isfinite(loss).all()), device=self.accelerator.device)
-        if self.model.training and self.accelerator.reduce(bad, reduction="max").item() > 0:
+        if self.model.training and any_process(self.accelerator, not torch.isfinite(loss).all()):
             raise FloatingPointError(
                 f"non-finite loss at iteration {self._iteration} (1-based; optimizer step {self.state.global_step + 1}): the "
                 f"parameters were not updated and the last checkpoint in {self.args.output_dir} is intact; check "
                 "the advantages (adv/*) and lower learning_rate, then resume with --resume_from_checkpoint")
         return loss
 
-    def _sample_budget(self) -> int:
-        return self.args.per_device_train_batch_size * self.args.steps_per_generation
-
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, torch.Tensor | Any]:
         start = time.perf_counter()
         mode = "train" if self.model.training else "eval"
         rollout, batch, advantages, advantage_seconds = self._play_iteration(list(inputs))
-        selected = select_budget(len(rollout.steps), self._sample_budget(), self._sample_rng)
-        padding = self._sample_budget() - len(selected)
-        # Padding rows are masked out of the loss (completion_mask 0, advantage 0): every process keeps the same
-        # number of samples, so forward passes stay in step (ZeRO-3) and TRL's batch split drops nothing.
-        output = self._samples([rollout.steps[i] for i in selected], advantages[selected], padding)
-        output["num_items_in_batch"] = self.accelerator.gather(output["completion_mask"].sum()).sum()
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            aligned = self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations) == 0
-            output.update(self._logprob_inputs(output, [rollout.steps[i] for i in selected], old=not aligned))
-        samples = SampleCounts(kept=len(selected), padded_fraction=padding / self._sample_budget(),
-                               optimizer_steps=self.args.steps_per_generation * self.num_iterations
-                               // self.args.gradient_accumulation_steps)
+        output, selected, samples = budget_inputs(self, rollout, advantages)
         self._log_iteration(mode, rollout, batch, advantages, samples, advantage_seconds)
         self._log_samples([rollout.steps[i] for i in selected], advantages[selected])
         self._iteration += 1
@@ -409,9 +241,8 @@ class HGPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ all_steps: every step, as released
     def _prepare_inputs(self, inputs):
-        """all_steps: the next micro-batch of the current iteration (training_step plays the next iteration when
-        they are used up; the parent's buffer would regenerate every steps_per_generation x num_iterations
-        micro-steps)."""
+        """all_steps: the next micro-batch of the current iteration; training_step plays the next iteration when
+        they are used up (the parent's buffer would regenerate every steps_per_generation x num_iterations)."""
         if self.args.step_batching != "all_steps" or not self.model.training:
             return super()._prepare_inputs(inputs)
         return self._micro_batches.popleft()
@@ -423,41 +254,21 @@ class HGPOTrainer(GRPOTrainer):
         `num_iterations` times. Log-probabilities are taken here, before the first update. Empty when the
         remaining iterations collect no step at all."""
         rank, processes = self.accelerator.process_index, self.accelerator.num_processes
-        micro, accumulation = self.args.per_device_train_batch_size, self.args.gradient_accumulation_steps
         windows = 0
         while not windows:  # no optimizer step on nothing: an iteration whose episodes all failed trains none
             if self._iteration >= self.args.train_iterations:
                 return []
             tasks = [self.train_dataset[i] for i in self._task_sampler.iteration_tasks(self._iteration, rank, processes)]
             rollout, batch, advantages, advantage_seconds = self._play_iteration(tasks)
-            plan = plan_micro_batches(len(rollout.steps), micro, self.args.fill_last_micro_batch,
-                                      self.args.shuffle_steps, self._sample_rng)
-            busiest = self.accelerator.reduce(torch.tensor(len(plan), device=self.accelerator.device), reduction="max")
-            windows = windows_for(int(busiest.item()), accumulation)
-            trained = sum(len(rows) for rows in plan)
-            samples = SampleCounts(kept=len(rollout.steps), duplicated=trained - len(rollout.steps),
-                                   padded_fraction=1.0 - trained / max(windows * accumulation * micro, 1),
-                                   optimizer_steps=windows * self.num_iterations)
+            plan = plan_micro_batches(len(rollout.steps), self.args.per_device_train_batch_size,
+                                      self.args.fill_last_micro_batch, self.args.shuffle_steps, self._sample_rng)
+            windows = windows_for(process_max(self.accelerator, len(plan)), self.args.gradient_accumulation_steps)
+            samples = all_steps_counts(len(rollout.steps), plan, windows, self.args, self.num_iterations)
             self._log_iteration("train", rollout, batch, advantages, samples, advantage_seconds)
             self._iteration += 1
-        plan += [np.zeros(0, dtype=np.int64)] * (windows * accumulation - len(plan))
-        steps = [[rollout.steps[i] for i in rows] for rows in plan]
-        self._log_samples([s for chunk in steps for s in chunk], np.concatenate([advantages[rows] for rows in plan]))
-        # Every micro-batch holds `micro` rows on every process (TRL gathers per-row loss metrics): a short one is
-        # filled with masked rows, and one of padding alone is 2 tokens wide.
-        micro_batches = [self._samples(chunk, advantages[rows], padding=micro - len(rows))
-                         for chunk, rows in zip(steps, plan, strict=True)]
-        # dapo divides by num_items_in_batch / processes x accumulation / steps_per_generation: make that the
-        # mini-batch's mean token count per process, so the summed micro-batch losses are its token mean.
-        tokens = torch.stack([sum(m["completion_mask"].sum() for m in micro_batches[w * accumulation:(w + 1) * accumulation])
-                              for w in range(windows)]).float()
-        tokens = self.accelerator.reduce(tokens, reduction="sum") * self.args.steps_per_generation / accumulation
-        old = windows * self.num_iterations > 1 or (self.use_vllm and self.vllm_importance_sampling_correction)
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            for k, (micro_batch, chunk) in enumerate(zip(micro_batches, steps, strict=True)):
-                micro_batch["num_items_in_batch"] = tokens[k // accumulation]
-                micro_batch.update(self._logprob_inputs(micro_batch, chunk, old=old))
-        return micro_batches * self.num_iterations
+        rows = np.concatenate([np.zeros(0, dtype=np.int64), *plan])  # (this process may have no step)
+        self._log_samples([rollout.steps[i] for i in rows], advantages[rows])
+        return all_steps_inputs(self, rollout, advantages, plan, windows)
 
     # ------------------------------------------------------------------ samples
     def _samples(self, steps: list[StepRecord], advantages: np.ndarray, padding: int) -> dict[str, torch.Tensor]:
@@ -465,45 +276,10 @@ class HGPOTrainer(GRPOTrainer):
                               self.accelerator.device, self.mask_truncated_completions, self.eos_token_ids)
 
     def _logprob_inputs(self, samples: dict[str, torch.Tensor], steps: list[StepRecord], old: bool) -> dict:
-        """old / reference / sampling log-probabilities of `samples` (whose real rows are `steps`), computed
-        when the loss needs them, as the parent does. Runs under no_grad with gradient checkpointing off."""
-        out: dict[str, torch.Tensor] = {}
-        input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)
-        attention_mask = torch.cat([samples["prompt_mask"], samples["completion_mask"]], dim=1)
-        width = samples["completion_ids"].size(1)
-        batch_size = self.args.per_device_train_batch_size
-        is_correction = self.use_vllm and self.vllm_importance_sampling_correction
-        if old or is_correction:
-            out["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, width, batch_size=batch_size)
-        if self.beta != 0.0:
-            if self.ref_model is not None:
-                out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.ref_model, input_ids, attention_mask, width, batch_size=batch_size)
-            else:  # PEFT, as TRL: a new adapter's reference is the base model (adapter disabled); a model passed
-                # in with its adapter already trained has TRL's frozen copy of it, the "ref" adapter
-                model = self.accelerator.unwrap_model(self.model)
-                with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
-                    out["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                        self.model, input_ids, attention_mask, width, batch_size=batch_size)
-        if self.use_vllm and steps and all(s.completion.logprobs is not None for s in steps):
-            # Passed whenever the backend gave them, as TRL does (its off-policy mask reads them).
-            sampled = [torch.tensor([float("nan") if x is None else x for x in s.completion.logprobs]) for s in steps]
-            sampled += [torch.zeros(1)] * (input_ids.size(0) - len(steps))
-            out["sampling_per_token_logps"] = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
-        if is_correction:
-            sampling = out.get("sampling_per_token_logps", out["old_per_token_logps"])  # (padding alone: no vLLM rows)
-            out["importance_sampling_ratio"] = importance_sampling_ratio(
-                out["old_per_token_logps"], sampling, samples["completion_mask"], self.vllm_importance_sampling_mode,
-                self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max)
-            out["sampling_per_token_logps"] = sampling
-            self._log_gathered("train", sampling_metrics(out["old_per_token_logps"], sampling,
-                                                         out["importance_sampling_ratio"], samples["completion_mask"]))
-        return out
-
-    def _records(self, rollout: Rollout, tasks: list, advantages: np.ndarray | None) -> list[dict]:
-        return rollout_records(rollout, tasks, advantages, gamma=self.args.gamma,
-                               invalid_penalty=self.args.invalid_penalty, depth=self.args.depth)
+        inputs, sampling = logprob_inputs(self, samples, steps, old)  # (hgpo_trl.logprobs)
+        if sampling is not None:
+            self._log_gathered("train", sampling)
+        return inputs
 
     def _dump(self, name: str, records: list[dict]) -> None:
         """Write step records to output_dir/trajectories/<name>[_rank<i>].jsonl (read by hgpo_trl.trajectories)."""
@@ -513,17 +289,14 @@ class HGPOTrainer(GRPOTrainer):
     def _check_faults(self, rollout: Rollout) -> None:
         """A broken environment must stop the run, not let it train on nothing for days: after
         `max_faulty_iterations` mostly-faulted iterations in a row, save a checkpoint and raise."""
-        faulted = sum(e.fault is not None for e in rollout.episodes)
-        local = torch.tensor(float(2 * faulted > len(rollout.episodes)), device=self.accelerator.device)
-        mostly_faulted = self.accelerator.reduce(local, reduction="max").item() > 0  # the same on every process
+        faults = [e.fault for e in rollout.episodes if e.fault is not None]
+        mostly_faulted = any_process(self.accelerator, 2 * len(faults) > len(rollout.episodes))
         self._faulty_streak = self._faulty_streak + 1 if mostly_faulted else 0
-        limit = self.args.max_faulty_iterations
-        if limit and self._faulty_streak >= limit:
+        if (limit := self.args.max_faulty_iterations) and self._faulty_streak >= limit:
             self._save_checkpoint(self.model, trial=None)
-            example = next((e.fault for e in rollout.episodes if e.fault is not None), "on another process")
             raise RuntimeError(
-                f"environment faults: more than half the episodes failed in {limit} iterations in a row "
-                f"(iteration {self._iteration}; e.g. {example}). A checkpoint was saved in {self.args.output_dir}; "
+                f"environment faults: more than half the episodes failed in {limit} iterations in a row (iteration "
+                f"{self._iteration}; e.g. {faults[0] if faults else 'on another process'}). A checkpoint was saved in {self.args.output_dir}; "
                 "fix the environment (or raise env_step_timeout / max_faulty_iterations) and resume with "
                 "--resume_from_checkpoint")
 
@@ -538,30 +311,14 @@ class HGPOTrainer(GRPOTrainer):
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> None:
         """Our own README.md (TRL's describes GRPO and a base model of "None" for one built in memory)."""
-        if not self.is_world_process_zero():
-            return
-        card = render_model_card(
-            model_name=model_name or Path(self.args.output_dir).name, base_model=self._base_model, args=self.args,
-            estimator_options=self.args.estimator_options(), log_history=self.state.log_history,
-            completed_iterations=self.completed_iterations,
-            versions={"hgpo-trl": hgpo_trl.__version__, "TRL": trl.__version__,
-                      "Transformers": transformers.__version__, "PyTorch": torch.__version__})
-        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-        Path(self.args.output_dir, "README.md").write_text(card)
+        if self.is_world_process_zero():
+            write_model_card(self.args, model_name=model_name, base_model=self._base_model,
+                             log_history=self.state.log_history, completed_iterations=self.completed_iterations)
 
     def _save_checkpoint(self, model, trial) -> None:
         """The parent's checkpoint plus the iterations played, written in a staging folder and renamed into
         place (`hgpo_trl.checkpoints`)."""
-        parent = super()._save_checkpoint
-
-        def write(folder: str) -> None:
-            parent(model, trial)
-            # Every process its own: the sub-sampling stream is seeded per process.
-            write_trainer_state(folder, self.accelerator.process_index, {
-                "iterations": self.completed_iterations, "faulty_streak": self._faulty_streak,
-                "sample_rng": self._sample_rng.bit_generator.state})
-
-        save_staged(self, trial, write)
+        save_checkpoint(self, trial, partial(super()._save_checkpoint, model, trial))
 
     def _determine_best_metric(self, metrics, trial) -> bool:
         """The Trainer marks the best step only under step or epoch save strategies: also under
@@ -574,24 +331,16 @@ class HGPOTrainer(GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         with cpu_map_location(self.args.device):
             super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        # A resumed run continues the iteration count (the stop, the tasks, the schedule, dump names and the
-        # diagnostics cadence), the fault streak and the sub-sampling stream: it is the run it continues.
-        state = read_trainer_state(checkpoint, self.accelerator.process_index)
-        self._iteration = state.get("iterations", self._iteration)
-        self._faulty_streak = state.get("faulty_streak", self._faulty_streak)
-        if "sample_rng" in state:
-            self._sample_rng.bit_generator.state = state["sample_rng"]
+        if checkpoint is not None:
+            load_run_state(self, checkpoint)
 
     # ------------------------------------------------------------------ logging
     def _log_iteration(self, mode: str, rollout: Rollout, batch: StepBatch, advantages: np.ndarray,
                        samples: SampleCounts, advantage_seconds: float) -> None:
         every = self.args.diagnostics_every
-        levels = None
-        if self.args.estimator == "hgpo":
-            levels = hgpo_level_stats(batch, depth=self.args.depth)
-            self.last_level_stats = levels if rollout.steps else self.last_level_stats
+        levels = hgpo_level_stats(batch, depth=self.args.depth) if self.args.estimator == "hgpo" else None
+        if levels is not None and rollout.steps:
+            self.last_level_stats = levels
         local = iteration_metrics(rollout, batch, advantages, samples, self.args, levels,
                                   eos_token_ids=self.eos_token_ids,
                                   diagnostics=bool(every) and mode == "train" and self._iteration % every == 0,
@@ -600,15 +349,12 @@ class HGPOTrainer(GRPOTrainer):
         self._log_gathered(mode, local)
         # TRL's num_tokens: the prompt and completion tokens of every step played so far, over all processes.
         tokens = sum(len(s.completion.prompt_ids) + len(s.completion.completion_ids) for s in rollout.steps)
-        self.state.num_input_tokens_seen += int(self.accelerator.reduce(
-            torch.tensor(tokens, device=self.accelerator.device), reduction="sum").item())
+        self.state.num_input_tokens_seen += process_sum(self.accelerator, tokens)
         self._metrics[mode]["num_tokens"] = [self.state.num_input_tokens_seen]
 
     def _log_gathered(self, mode: str, local: dict[str, float]) -> None:
         """Gather every process's `local` metrics (the same keys everywhere) and log them combined."""
-        names = sorted(local)
-        gathered = self.accelerator.gather(torch.tensor([local[k] for k in names], device=self.accelerator.device)[None])
-        for name, value in combine_processes(names, gathered.reshape(-1, len(names)).cpu().numpy()).items():
+        for name, value in gathered_metrics(self.accelerator, local).items():
             self._metrics[mode][name].append(value)
 
     def _log_samples(self, steps: list[StepRecord], advantages: np.ndarray) -> None:
@@ -630,47 +376,22 @@ class HGPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Play every validation task once at `eval_temperature` and log the success rate (the parent's
-        evaluation would play G x G rollouts per task)."""
+        """Play every validation task once at `eval_temperature` (`hgpo_trl.evaluation`'s protocol, as hgpo-eval
+        plays it) and log the success rate (the parent's evaluation would play G x G rollouts per task)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset of task rows")
-        rows = list(dataset)
-        if self.args.eval_max_tasks is not None:
-            rows = rows[: self.args.eval_max_tasks]
-        processes = self.accelerator.num_processes
-        chunk = len(self._environments())
-        # Every process plays as many chunks as the busiest one, even with no task of its own left: generation
-        # may be collective.
-        chunks = max(1, math.ceil(math.ceil(len(rows) / processes) / chunk))
-        rows = rows[self.accelerator.process_index:: processes]
+        dump = bool(self.args.trajectory_dump_every)
         was_training = self.model.training
         self.model.eval()
         try:
-            episodes, records = [], []
-            for c in range(chunks):
-                tasks = rows[c * chunk:(c + 1) * chunk]
-                rollout = self._play(tasks, 1, self.args.eval_temperature, f"evaluation {c + 1}/{chunks}")
-                episodes += rollout.episodes
-                if self.args.trajectory_dump_every:
-                    for record in self._records(rollout, tasks, None):
-                        # Episode numbers run on across chunks, so a reader keeps the episodes apart.
-                        record["episode"] += c * chunk
-                        records.append(record)
-            if self.args.trajectory_dump_every:
+            totals, records = play_shared(
+                list(dataset)[: self.args.eval_max_tasks], len(self._environments()),
+                lambda tasks, c, chunks: self._play(tasks, 1, self.args.eval_temperature, f"evaluation {c + 1}/{chunks}"),
+                self.accelerator, record_args=self.args if dump else None)
+            if dump:
                 self._dump(f"eval_step_{self.state.global_step:06d}", records)
-            local = torch.tensor([sum(e.won for e in episodes), sum(e.total_reward for e in episodes),
-                                  sum(e.steps for e in episodes), len(episodes),
-                                  sum(e.score or 0.0 for e in episodes), sum(e.score is not None for e in episodes)],
-                                 dtype=torch.float64, device=self.accelerator.device)
-            won, reward, length, count, score, scored = self.accelerator.reduce(local, reduction="sum").tolist()
-            count = max(count, 1.0)
-            metrics = {f"{metric_key_prefix}_success_rate": won / count,
-                       f"{metric_key_prefix}_episode_reward": reward / count,
-                       f"{metric_key_prefix}_episode_length": length / count,
-                       f"{metric_key_prefix}_tasks": count}
-            if scored:
-                metrics[f"{metric_key_prefix}_score"] = score / scored
+            metrics = validation_metrics(totals, metric_key_prefix)
             self.log(metrics)  # in eval mode: training metrics stay for the next training log
         finally:
             self.model.train(was_training)

@@ -15,7 +15,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hgpo_trl import evaluate
+from hgpo_trl import evaluate, players
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.envs.alfworld import TASK_TYPES
 from hgpo_trl.tiny import build_tiny_model, save_tiny
@@ -167,7 +167,7 @@ def test_lora_adapter_folder_is_merged_and_evaluated(tmp_path, tiny_tokenizer):
     assert report["model"] == str(tmp_path / "adapter") and report["results"][0]["tasks"] == 3
 
     args = evaluate.prepare(["--config", config(tmp_path, KEYDOOR, tmp_path / "adapter")])
-    model, tokenizer = evaluate.load_model(args.model_args, args.env_args, args.args)
+    model, tokenizer = players.load_model(args.model_args, args.env_args, args.args)
     ids = torch.tensor([tiny_tokenizer.encode("you are in the hall . go to vault")])
     assert tokenizer.encode("go to vault") == tiny_tokenizer.encode("go to vault")
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter")
@@ -181,7 +181,7 @@ def test_a_checkpoint_saved_by_a_run_keeps_its_word_level_tokenizer(tmp_path, ti
     build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     text = "You are in the hall. go to vault"
-    assert evaluate.load_tokenizer(str(folder)).encode(text) == tiny_tokenizer.encode(text)
+    assert players.load_tokenizer(str(folder)).encode(text) == tiny_tokenizer.encode(text)
 
 
 ERRORS = [

@@ -15,9 +15,10 @@ from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv
+from hgpo_trl.loss_inputs import LOSS_INPUT_KEYS
 from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.tiny import build_tiny_model
-from hgpo_trl.trainer import LOSS_INPUT_KEYS, HGPOTrainer
+from hgpo_trl.trainer import HGPOTrainer
 
 
 def make_config(tmp_path, **overrides):
@@ -389,6 +390,7 @@ def test_worker_faults_in_training_fail_episodes_and_training_goes_on(tmp_path, 
 
 
 def test_prompts_are_fitted_to_the_model_context_by_default(tmp_path, tiny_tokenizer):
+    from hgpo_trl.generation import encode_prompt
     from hgpo_trl.tiny import build_tiny_model
 
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64)
@@ -398,7 +400,8 @@ def test_prompts_are_fitted_to_the_model_context_by_default(tmp_path, tiny_token
     logs = [h for h in trainer.state.log_history if "prompt/history_cut" in h]
     assert max(h["prompt/history_cut"] for h in logs) > 0  # a 64-token context cannot hold 3 history pairs
     rollout = trainer._play(list(make_tasks("keydoor", "train", num_tasks=2)), 2, 1.0)
-    assert all(len(trainer._encode_prompt(s.prompt)) <= 60 or s.over_budget for s in rollout.steps)
+    assert all(len(encode_prompt(trainer.processing_class, s.prompt, trainer.chat_template_kwargs)) <= 60
+               or s.over_budget for s in rollout.steps)
 
 
 def test_early_stop_counts_only_evaluations_during_training(tmp_path, tiny_model, tiny_tokenizer):

@@ -1,0 +1,118 @@
+"""The inputs of TRL's loss for one iteration, in each `step_batching` mode: the rows `hgpo_trl.step_batches`
+chooses, as tensors, with the token count the loss divides by and the log-probabilities it reads beside them: old
+(the policy before this iteration's updates), reference (the KL term), sampling (vLLM's own) and vLLM's
+importance-sampling ratio, computed with GRPOTrainer's own forward pass (`_get_per_token_logps_and_entropies`)
+when, and as, the parent computes them. Each function takes the trainer whose batches it builds."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import pad, use_adapter
+
+from hgpo_trl.metrics import SampleCounts
+from hgpo_trl.rollout import Rollout, StepRecord
+from hgpo_trl.step_batches import importance_sampling_ratio, sampling_metrics, select_budget
+
+# The keys of the generation dict that GRPOTrainer's loss reads (tests/test_trainer.py pins them).
+LOSS_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                   "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
+                   "importance_sampling_ratio")
+
+
+def budget_inputs(trainer, rollout: Rollout, advantages: np.ndarray) -> tuple[dict, np.ndarray, SampleCounts]:
+    """fixed_budget: the loss's inputs for one pass of TRL's buffer (per_device_train_batch_size x
+    steps_per_generation rows), the indices of the steps drawn into it, and how the steps became samples."""
+    args = trainer.args
+    budget = args.per_device_train_batch_size * args.steps_per_generation
+    per_generation = args.steps_per_generation * trainer.num_iterations
+    selected = select_budget(len(rollout.steps), budget, trainer._sample_rng)
+    steps, padding = [rollout.steps[i] for i in selected], budget - len(selected)
+    # Padding rows are masked out of the loss (completion_mask 0, advantage 0): every process keeps the same
+    # number of samples, so forward passes stay in step (ZeRO-3) and TRL's batch split drops nothing.
+    output = trainer._samples(steps, advantages[selected], padding)
+    output["num_items_in_batch"] = trainer.accelerator.gather(output["completion_mask"].sum()).sum()
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
+        output.update(trainer._logprob_inputs(output, steps, old=args.gradient_accumulation_steps % per_generation != 0))
+    samples = SampleCounts(kept=len(selected), padded_fraction=padding / budget,
+                           optimizer_steps=per_generation // args.gradient_accumulation_steps)
+    return output, selected, samples
+
+
+def all_steps_counts(num_steps: int, plan: list[np.ndarray], windows: int, args, num_iterations: int) -> SampleCounts:
+    """all_steps: how this process's `num_steps` steps became samples, planned as `plan` in `windows` optimizer
+    steps (per pass over the iteration; `num_iterations` passes)."""
+    trained = sum(len(rows) for rows in plan)
+    slots = windows * args.gradient_accumulation_steps * args.per_device_train_batch_size
+    return SampleCounts(kept=num_steps, duplicated=trained - num_steps, padded_fraction=1.0 - trained / max(slots, 1),
+                        optimizer_steps=windows * num_iterations)
+
+
+def all_steps_inputs(trainer, rollout: Rollout, advantages: np.ndarray, plan: list[np.ndarray],
+                     windows: int) -> list[dict]:
+    """all_steps: the loss's inputs of every micro-batch of `plan` (step indices), then micro-batches of padding
+    alone up to `windows` windows of gradient_accumulation_steps (the busiest process's count, run by every
+    process), the whole repeated `num_iterations` times. Log-probabilities are taken here, before the first
+    update."""
+    args, micro, accumulation = trainer.args, trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+    plan = plan + [np.zeros(0, dtype=np.int64)] * (windows * accumulation - len(plan))
+    steps = [[rollout.steps[i] for i in rows] for rows in plan]
+    # Every micro-batch holds `micro` rows on every process (TRL gathers per-row loss metrics): a short one is
+    # filled with masked rows, and one of padding alone is 2 tokens wide.
+    micro_batches = [trainer._samples(chunk, advantages[rows], padding=micro - len(rows))
+                     for chunk, rows in zip(steps, plan, strict=True)]
+    # dapo divides by num_items_in_batch / processes x accumulation / steps_per_generation: make that the
+    # mini-batch's mean token count per process, so the summed micro-batch losses are its token mean.
+    tokens = torch.stack([sum(m["completion_mask"].sum() for m in micro_batches[w * accumulation:(w + 1) * accumulation])
+                          for w in range(windows)]).float()
+    tokens = trainer.accelerator.reduce(tokens, reduction="sum") * args.steps_per_generation / accumulation
+    old = windows * trainer.num_iterations > 1 or (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
+        for k, (micro_batch, chunk) in enumerate(zip(micro_batches, steps, strict=True)):
+            micro_batch["num_items_in_batch"] = tokens[k // accumulation]
+            micro_batch.update(trainer._logprob_inputs(micro_batch, chunk, old=old))
+    return micro_batches * trainer.num_iterations
+
+
+def logprob_inputs(trainer, samples: dict[str, torch.Tensor], steps: list[StepRecord],
+                   old: bool) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    """The log-probability inputs of `samples` (whose real rows are `steps`; the rest padding) and, under vLLM's
+    importance-sampling correction, TRL's `sampling/*` metrics of the batch (else None). `old`: the loss needs
+    the old log-probabilities (more than one optimizer step per generation). Call under no_grad, with gradient
+    checkpointing off."""
+    out: dict[str, torch.Tensor] = {}
+    input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)
+    attention_mask = torch.cat([samples["prompt_mask"], samples["completion_mask"]], dim=1)
+    width = samples["completion_ids"].size(1)
+
+    def per_token_logps(model) -> torch.Tensor:
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, width, batch_size=trainer.args.per_device_train_batch_size)
+        return logps
+
+    is_correction = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    if old or is_correction:
+        out["old_per_token_logps"] = per_token_logps(trainer.model)
+    if trainer.beta != 0.0:
+        if trainer.ref_model is not None:
+            out["ref_per_token_logps"] = per_token_logps(trainer.ref_model)
+        else:  # PEFT, as TRL: a new adapter's reference is the base model (adapter disabled); a model passed
+            # in with its adapter already trained has TRL's frozen copy of it, the "ref" adapter
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                out["ref_per_token_logps"] = per_token_logps(trainer.model)
+    if trainer.use_vllm and steps and all(s.completion.logprobs is not None for s in steps):
+        # Passed whenever the backend gave them, as TRL does (its off-policy mask reads them).
+        sampled = [torch.tensor([float("nan") if x is None else x for x in s.completion.logprobs]) for s in steps]
+        sampled += [torch.zeros(1)] * (input_ids.size(0) - len(steps))
+        out["sampling_per_token_logps"] = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
+    if not is_correction:
+        return out, None
+    sampling = out.get("sampling_per_token_logps", out["old_per_token_logps"])  # (padding alone: no vLLM rows)
+    out["importance_sampling_ratio"] = importance_sampling_ratio(
+        out["old_per_token_logps"], sampling, samples["completion_mask"], trainer.vllm_importance_sampling_mode,
+        trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max)
+    out["sampling_per_token_logps"] = sampling
+    return out, sampling_metrics(out["old_per_token_logps"], sampling, out["importance_sampling_ratio"],
+                                 samples["completion_mask"])
