@@ -236,11 +236,9 @@ def default_num_workers(local_processes: int = 1) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-def worker_count(configured: int | None, fast: bool, local_processes: int = 1) -> int:
-    """`env_workers` as configured, else its default: 0 (in process) for a fast environment, else one worker per
-    core of this process's share (`default_num_workers`)."""
-    if configured is not None:
-        return configured
+def default_worker_count(fast: bool, local_processes: int = 1) -> int:
+    """`env_workers` when it is None: 0 (in process) for a fast environment, else one worker per core of this
+    process's share (`default_num_workers`)."""
     return 0 if fast else default_num_workers(local_processes)
 
 

@@ -85,7 +85,7 @@ def save_checkpoint(trainer, trial, parent_save: Callable[[], None]) -> None:
     def write(folder: str) -> None:
         parent_save()
         write_trainer_state(folder, trainer.accelerator.process_index, {
-            "iterations": trainer.completed_iterations, "faulty_streak": trainer._faulty_streak,
+            "iterations": trainer.completed_iterations, "faulty_streak": trainer._faults.count,
             "sample_rng": trainer._sample_rng.bit_generator.state})
 
     save_staged(trainer, trial, write)
@@ -97,7 +97,7 @@ def load_run_state(trainer, checkpoint: str) -> None:
     continues."""
     state = read_trainer_state(checkpoint, trainer.accelerator.process_index)
     trainer._iteration = state.get("iterations", trainer._iteration)
-    trainer._faulty_streak = state.get("faulty_streak", trainer._faulty_streak)
+    trainer._faults.count = state.get("faulty_streak", trainer._faults.count)
     if "sample_rng" in state:
         trainer._sample_rng.bit_generator.state = state["sample_rng"]
 

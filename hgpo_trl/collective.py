@@ -27,7 +27,7 @@ def process_values(accelerator, value: int) -> list[int]:
     return accelerator.gather(torch.tensor([value], device=accelerator.device)).tolist()
 
 
-def process_sums(accelerator, values: list[float]) -> list[float]:
+def elementwise_process_sum(accelerator, values: list[float]) -> list[float]:
     """Per position, the sum over processes of every process's `values` (in float64)."""
     return accelerator.reduce(torch.tensor(values, dtype=torch.float64, device=accelerator.device),
                               reduction="sum").tolist()

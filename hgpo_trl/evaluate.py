@@ -44,13 +44,13 @@ from hgpo_trl.arguments import (
 from hgpo_trl.cli import load_tasks
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env
-from hgpo_trl.envs.pool import make_env_batch, worker_count
+from hgpo_trl.envs.pool import default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.evaluation import (
     DEFAULT_SPLITS,
     PAPER_SEEDS,
     percent,
-    play,
+    play_split,
     seed_outcome,
     seeded_env,
     summarize,
@@ -198,7 +198,7 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
                      evaluation.output_dir) if "model" in eval_args.policy else (None, settings, None))
     largest = max(len(tasks) for tasks in evaluation.tasks.values())
     num_envs = min(eval_args.num_envs or args.tasks_per_device * args.num_generations, largest)
-    workers = worker_count(args.env_workers, is_fast_env(args.env_name))
+    workers = args.env_workers if args.env_workers is not None else default_worker_count(is_fast_env(args.env_name))
     dumps = evaluation.output_dir / "trajectories" if args.trajectory_dump_every else None
     results = []
     for policy in eval_args.policy:
@@ -212,7 +212,7 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
             with make_env_batch(partial(seeded_env, seed, args.env_name, env_kwargs), num_envs, workers,
                                 step_timeout=args.env_step_timeout, reset_timeout=args.env_reset_timeout) as envs:
                 for split, tasks in evaluation.tasks.items():
-                    episodes = play(envs, tasks, player, model_settings if policy == "model" else scripted_settings,
+                    episodes = play_split(envs, tasks, player, model_settings if policy == "model" else scripted_settings,
                                     scripted=policy != "model",
                                     count_tokens=model.count_tokens if policy == "model" else None,
                                     description=f"{policy} {split} seed {seed}", quiet=args.disable_tqdm,

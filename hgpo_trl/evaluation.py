@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from hgpo_trl.collective import process_sums
+from hgpo_trl.collective import elementwise_process_sum
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.rollout import Episode, Policy, Rollout, RolloutSettings, ScriptedPolicy, run_rollout
@@ -60,7 +60,7 @@ def play_shared(tasks: Sequence[Mapping[str, Any]], chunk_size: int,
     episodes, records = play_in_chunks(tasks[accelerator.process_index::processes], chunk_size, play_chunk,
                                        min_chunks=busiest, record_args=record_args)
     totals = episode_totals(episodes)
-    return dict(zip(totals, process_sums(accelerator, list(totals.values())), strict=True)), records
+    return dict(zip(totals, elementwise_process_sum(accelerator, list(totals.values())), strict=True)), records
 
 
 def episode_totals(episodes: Sequence[Episode]) -> dict[str, float]:
@@ -90,8 +90,7 @@ def seeded_env(seed: int, name: str, kwargs: Mapping[str, Any]) -> TextEnv:
     return make_env(name, **kwargs)
 
 
-
-def play(envs, tasks: Sequence[Mapping[str, Any]], player: Policy | ScriptedPolicy, settings: RolloutSettings, *,
+def play_split(envs, tasks: Sequence[Mapping[str, Any]], player: Policy | ScriptedPolicy, settings: RolloutSettings, *,
          scripted: bool, count_tokens: Callable[[str], int] | None, description: str, quiet: bool,
          dump: Path | None, args: HGPOConfig) -> list[Episode]:
     """hgpo-eval's play of one split: every task once, len(envs) at a time; the episodes in task order. A progress
@@ -124,7 +123,7 @@ def seed_outcome(seed: int, tasks: Sequence[Mapping[str, Any]], episodes: Sequen
                            "episode_length": totals["steps"] / totals["episodes"],
                            "invalid_rate": totals["invalid"] / max(totals["steps"], 1), "faults": totals["faults"]}
     if totals["scored"]:  # (an unscored episode counts 0)
-        row["score"] = totals["score"] / totals["episodes"]
+        row["score"] = float(np.mean([e.score or 0.0 for e in episodes]))
     won = np.array([e.won for e in episodes], dtype=float)
     types = np.array([task_type(task) for task in tasks])
     if all(types):

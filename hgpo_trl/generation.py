@@ -98,13 +98,13 @@ def generation_settings(settings, tokenizer, model_config, vllm_max_model_length
 
 class ModelPolicy:
     """A model as a rollout policy: each turn's prompts go to one `generate` call, encoded with the chat template
-    and its generation prompt (the plain text when the tokenizer has none). `prompts_per_call(n)`: how many
-    prompts a call must hold when this process has `n` (a collective backend needs every process in every call,
-    with the same count when it slices by position): the rest are dummy prompts, their completions dropped."""
+    and its generation prompt (the plain text when the tokenizer has none). `call_size(n)`: how many prompts a
+    call must hold when this process has `n` (a collective backend needs every process in every call, with the
+    same count when it slices by position): the rest are dummy prompts, their completions dropped."""
 
     def __init__(self, tokenizer, generate: Generate, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 prompts_per_call: Callable[[int], int] | None = None):
-        self.tokenizer, self.generate, self.prompts_per_call = tokenizer, generate, prompts_per_call
+                 call_size: Callable[[int], int] | None = None):
+        self.tokenizer, self.generate, self.call_size = tokenizer, generate, call_size
         self.chat_template_kwargs = chat_template_kwargs or {}
         self._encoded: dict[str, list[int]] = {}
 
@@ -119,7 +119,7 @@ class ModelPolicy:
     def __call__(self, prompts: list[str]) -> list[Completion]:
         prompt_ids = [self._encoded[p] if p in self._encoded else self.encode(p) for p in prompts]
         self._encoded.clear()  # this turn's fitting attempts
-        count = self.prompts_per_call(len(prompt_ids)) if self.prompts_per_call else len(prompt_ids)
+        count = self.call_size(len(prompt_ids)) if self.call_size else len(prompt_ids)
         padded = prompt_ids + [self.encode("")] * (count - len(prompt_ids))
         if padded:
             completion_ids, logprobs = self.generate(padded)
@@ -179,8 +179,8 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
 
 def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_size: int, temperature: float,
                     description: str) -> Rollout:
-    """One rollout of the trainer's policy: every task played `group_size` times in `envs`, a turn per
-    `trainer_generator` call. With several processes every process joins every call (with dummy prompts when
+    """One rollout of the trainer's policy: every task played `group_size` times in `envs`, one generate call
+    of `trainer_generator`'s per turn. With several processes every process joins every call (with dummy prompts when
     it has no live episode, or fewer than a backend that slices by position needs) until no process has a live
     episode."""
     bar = tqdm(total=trainer.args.max_env_steps, desc=description, unit="turn", leave=False, dynamic_ncols=True,
@@ -197,7 +197,7 @@ def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_siz
     lockstep = trainer.accelerator.num_processes > 1
     with trainer_generator(trainer, temperature) as generate, bar:
         policy = ModelPolicy(trainer._tokenizer, generate, trainer.chat_template_kwargs,
-                             prompts_per_call=lockstep_count if lockstep else None)
+                             call_size=lockstep_count if lockstep else None)
         return run_rollout(envs, tasks, group_size, policy, trainer.rollout_settings, on_turn=on_turn,
                            keep_going=(lambda live: any_process(trainer.accelerator, live > 0)) if lockstep else None,
                            count_tokens=policy.count_tokens)

@@ -14,8 +14,29 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
+from hgpo_trl.collective import any_process
+
 if TYPE_CHECKING:
+    from hgpo_trl.rollout import Rollout
     from hgpo_trl.trainer import HGPOTrainer
+
+
+@dataclass
+class FaultStreak:
+    """Iterations in a row in which more than half the episodes of some process failed by environment faults: a
+    broken environment must stop the run after `limit` of them (0: never), not let it train on nothing for days."""
+
+    limit: int
+    count: int = 0
+
+    def update(self, accelerator, rollout: Rollout) -> str | None:
+        """Count `rollout` (every process at once: the decision is collective); at the limit, an example fault
+        ("on another process" when this one has none), else None."""
+        faults = [e.fault for e in rollout.episodes if e.fault is not None]
+        self.count = self.count + 1 if any_process(accelerator, 2 * len(faults) > len(rollout.episodes)) else 0
+        if self.limit and self.count >= self.limit:
+            return faults[0] if faults else "on another process"
+        return None
 
 
 @dataclass

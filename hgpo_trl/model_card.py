@@ -56,7 +56,7 @@ def validation_lines(log_history: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def write_model_card(args, *, model_name: str | None, base_model: str, log_history: Sequence[Mapping[str, Any]],
-                     completed_iterations: int) -> Path:
+                     completed_iterations: int) -> None:
     """The card of the run configured by `args` (its HGPOConfig), with the installed libraries' versions, written
     to output_dir/README.md (`model_name`: default the output folder's name)."""
     import torch
@@ -73,7 +73,6 @@ def write_model_card(args, *, model_name: str | None, base_model: str, log_histo
     path = Path(args.output_dir, "README.md")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(card)
-    return path
 
 
 def render_model_card(*, model_name: str, base_model: str, args, estimator_options: Mapping[str, Any],

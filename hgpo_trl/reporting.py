@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def set_up_reporting(trainer) -> None:
     handler, args = trainer.callback_handler, trainer.args
     for callback in handler.callbacks:
         if isinstance(callback, TensorBoardCallback) and callback.logging_dir is None:
-            callback.logging_dir = str(Path(args.output_dir) / default_logdir())
+            callback.logging_dir = os.path.join(args.output_dir, default_logdir())
     if not args.console_metrics:
         handler.remove_callback(PrinterCallback)
     if not args.disable_tqdm:

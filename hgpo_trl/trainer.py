@@ -30,11 +30,11 @@ from hgpo_trl.checkpoints import cpu_map_location, load_run_state, save_checkpoi
 from hgpo_trl.collective import any_process, process_max, process_sum
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
-from hgpo_trl.envs.pool import EnvBatch, make_env_batch, worker_count
+from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.evaluation import play_shared, validation_metrics
 from hgpo_trl.generation import generation_settings, trainer_rollout
-from hgpo_trl.iterations import EarlyStop, IterationCadence, IterationCount, iteration_schedule
+from hgpo_trl.iterations import EarlyStop, FaultStreak, IterationCadence, IterationCount, iteration_schedule
 from hgpo_trl.loss_inputs import all_steps_counts, all_steps_inputs, budget_inputs, logprob_inputs
 from hgpo_trl.metrics import SampleCounts, gathered_metrics, iteration_metrics
 from hgpo_trl.model_card import write_model_card
@@ -84,8 +84,8 @@ class HGPOTrainer(GRPOTrainer):
         self.rollout_settings = generation_settings(args.rollout_settings(), self._tokenizer, self.model.config,
                                                     args.vllm_max_model_length if args.use_vllm else None,
                                                     args.max_completion_length)
-        self._env_workers = worker_count(args.env_workers, env_factory is not None or is_fast_env(args.env_name),
-                                         self.accelerator.state.num_processes)
+        self._env_workers = args.env_workers if args.env_workers is not None else default_worker_count(
+            env_factory is not None or is_fast_env(args.env_name), self.accelerator.state.num_processes)
         self._envs: EnvBatch | None = None
         self.last_level_stats: list = []  # HGPO's level statistics of the last rollout (plots)
         self._sample_rng = np.random.default_rng(args.seed + self.accelerator.process_index)
@@ -93,7 +93,7 @@ class HGPOTrainer(GRPOTrainer):
         # Rollouts started (the 1-based number of the current iteration), in a mutable object: the Trainer builds a
         # DeepSpeed-config scheduler on a shallow copy of itself, and the iteration schedule must see the count.
         self._iterations = IterationCount()
-        self._faulty_streak = 0
+        self._faults = FaultStreak(args.max_faulty_iterations)
         self._micro_batches: deque[dict[str, Any]] = deque()  # all_steps: the current iteration's, in order
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
         if args.eval_every_iterations and eval_dataset is None:
@@ -242,7 +242,8 @@ class HGPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ all_steps: every step, as released
     def _prepare_inputs(self, inputs):
         """all_steps: the next micro-batch of the current iteration; training_step plays the next iteration when
-        they are used up (the parent's buffer would regenerate every steps_per_generation x num_iterations)."""
+        they are used up (the parent's buffer would regenerate every steps_per_generation x num_iterations
+        micro-steps)."""
         if self.args.step_batching != "all_steps" or not self.model.training:
             return super()._prepare_inputs(inputs)
         return self._micro_batches.popleft()
@@ -276,7 +277,7 @@ class HGPOTrainer(GRPOTrainer):
                               self.accelerator.device, self.mask_truncated_completions, self.eos_token_ids)
 
     def _logprob_inputs(self, samples: dict[str, torch.Tensor], steps: list[StepRecord], old: bool) -> dict:
-        inputs, sampling = logprob_inputs(self, samples, steps, old)  # (hgpo_trl.logprobs)
+        inputs, sampling = logprob_inputs(self, samples, steps, old)  # (hgpo_trl.loss_inputs)
         if sampling is not None:
             self._log_gathered("train", sampling)
         return inputs
@@ -289,14 +290,11 @@ class HGPOTrainer(GRPOTrainer):
     def _check_faults(self, rollout: Rollout) -> None:
         """A broken environment must stop the run, not let it train on nothing for days: after
         `max_faulty_iterations` mostly-faulted iterations in a row, save a checkpoint and raise."""
-        faults = [e.fault for e in rollout.episodes if e.fault is not None]
-        mostly_faulted = any_process(self.accelerator, 2 * len(faults) > len(rollout.episodes))
-        self._faulty_streak = self._faulty_streak + 1 if mostly_faulted else 0
-        if (limit := self.args.max_faulty_iterations) and self._faulty_streak >= limit:
+        if (example := self._faults.update(self.accelerator, rollout)) is not None:
             self._save_checkpoint(self.model, trial=None)
             raise RuntimeError(
-                f"environment faults: more than half the episodes failed in {limit} iterations in a row (iteration "
-                f"{self._iteration}; e.g. {faults[0] if faults else 'on another process'}). A checkpoint was saved in {self.args.output_dir}; "
+                f"environment faults: more than half the episodes failed in {self._faults.limit} iterations in a row "
+                f"(iteration {self._iteration}; e.g. {example}). A checkpoint was saved in {self.args.output_dir}; "
                 "fix the environment (or raise env_step_timeout / max_faulty_iterations) and resume with "
                 "--resume_from_checkpoint")
 
