@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -236,10 +237,16 @@ def default_num_workers(local_processes: int = 1) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-def default_worker_count(fast: bool, local_processes: int = 1) -> int:
+def local_process_count(num_processes: int) -> int:
+    """The training processes on this node, of the run's `num_processes`: the launcher's LOCAL_WORLD_SIZE
+    (accelerate launch and torchrun set it), else all of them (the fewest workers)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+
+
+def default_worker_count(fast: bool, num_processes: int = 1) -> int:
     """`env_workers` when it is None: 0 (in process) for a fast environment, else one worker per core of this
-    process's share (`default_num_workers`)."""
-    return 0 if fast else default_num_workers(local_processes)
+    process's share of its node (`default_num_workers`; `num_processes`: the run's)."""
+    return 0 if fast else default_num_workers(local_process_count(num_processes))
 
 
 class WorkerPoolEnvs(_Batch):
@@ -357,9 +364,14 @@ class WorkerPoolEnvs(_Batch):
 
 def make_env_batch(factory: Callable[[], TextEnv], num_envs: int, num_workers: int | None = None,
                    **pool_options: Any) -> InProcessEnvs | WorkerPoolEnvs:
-    """`InProcessEnvs` for 0 or 1 workers (fast environments), else a `WorkerPoolEnvs` of `num_workers`
-    processes (None: `default_num_workers()`); `pool_options` go to `WorkerPoolEnvs`."""
+    """`InProcessEnvs` for 0 workers (fast environments), else a `WorkerPoolEnvs` of `num_workers` processes
+    (None: `default_num_workers()`); `pool_options` go to `WorkerPoolEnvs`. In process, a step or reset cannot be
+    interrupted: timeouts asked for get a warning that they cannot hold."""
     num_workers = default_num_workers() if num_workers is None else num_workers
-    if num_workers <= 1:
+    if num_workers == 0:
+        if any(pool_options.get(name) is not None for name in ("step_timeout", "reset_timeout")):
+            warnings.warn("env_workers=0 steps the environments in the training process, where env_step_timeout "
+                          "and env_reset_timeout cannot be enforced: set env_workers >= 1 for them to hold",
+                          UserWarning, stacklevel=2)
         return InProcessEnvs(factory, num_envs)
     return WorkerPoolEnvs(factory, num_envs, num_workers, **pool_options)

@@ -57,7 +57,8 @@ class HGPOConfig(GRPOConfig):
     max_env_steps: int = field(default=50, metadata={"help": "Step limit of an episode (ALFWorld 50, WebShop 30)."})
     env_workers: int | None = field(
         default=None, metadata={"help": "Worker processes stepping this process's environments; 0 steps them "
-                                        "in-process; None: in-process for fast envs, else the available cores."})
+                                        "in-process (no timeout can hold there); None: in-process for fast envs, "
+                                        "else one per core of this process's share of its node."})
     env_step_timeout: float | None = field(
         default=None, metadata={"help": "Seconds a worker may take for one step call before its episodes fail."})
     env_reset_timeout: float | None = field(

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import time
+import warnings
 
 import pytest
 
@@ -137,6 +138,36 @@ def test_hang_times_out_and_restarts_the_worker(pool):
     assert batch.faults == 2
 
 
+def test_one_worker_is_a_worker_process_whose_step_timeout_holds():
+    """env_workers=1 (and the default on a node with fewer cores than training processes) once stepped the
+    environments in the trainer process, where no timeout can hold: a hung step hung the run."""
+    with make_env_batch(FaultyEnv, 2, num_workers=1, step_timeout=0.5, reset_timeout=30.0) as batch:
+        assert isinstance(batch, WorkerPoolEnvs) and batch.num_workers == 1
+        batch.reset(faulty_tasks(2, env1=("hang", 1)))
+        tick = time.perf_counter()
+        results = batch.step(dict.fromkeys(range(2), GOLD_PATH[0]))
+        assert time.perf_counter() - tick < 5.0
+        assert [r.fault for r in results.values()] == ["timed out after 0.5 s"] * 2  # one worker: both its envs
+
+
+def test_in_process_environments_warn_that_timeouts_cannot_hold():
+    with pytest.warns(UserWarning, match=r"env_workers=0.*env_step_timeout and env_reset_timeout cannot be enforced"):
+        make_env_batch(KEYDOOR, 2, num_workers=0, step_timeout=1.0, reset_timeout=2.0).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_env_batch(KEYDOOR, 2, num_workers=0).close()  # no timeout asked for: nothing to say
+
+
+def test_default_workers_count_this_node_s_processes(monkeypatch):
+    """The default worker count shares this node's cores among this node's training processes, not the run's."""
+    from hgpo_trl.envs.pool import local_process_count
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert local_process_count(16) == 2  # 16 processes in the run, 2 of them on this node
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert local_process_count(4) == 4  # a launcher that does not say: all of them (the fewest workers)
+
+
 def test_exiting_worker_is_restarted(pool):
     batch = pool(num_envs=5)  # shares: envs 0-1 and 2-4
     batch.reset(faulty_tasks(5, env3=("exit", 2)))
@@ -189,7 +220,6 @@ def test_bad_arguments_and_batch_choice():
     with pytest.raises(ValueError, match="num_workers"):
         WorkerPoolEnvs(KEYDOOR, 2, num_workers=0)
     assert isinstance(make_env_batch(KEYDOOR, 2, num_workers=0), InProcessEnvs)
-    assert isinstance(make_env_batch(KEYDOOR, 2, num_workers=1), InProcessEnvs)
     assert default_num_workers(local_processes=10**6) == 1
     with make_env_batch(KEYDOOR, 1, num_workers=4) as pooled:
         assert isinstance(pooled, WorkerPoolEnvs) and pooled.num_workers == 1  # never more workers than envs
