@@ -252,6 +252,11 @@ class HGPOConfig(GRPOConfig):
             elif self.step_batching == "all_steps":
                 raise ValueError(f"HGPOConfig.{kind}_strategy={strategy!r} counts optimizer steps, whose number per "
                                  f"iteration varies under step_batching='all_steps': use {kind}_every_iterations")
+        save_strategy = str(getattr(self.save_strategy, "value", self.save_strategy))
+        if self.load_best_model_at_end and self.save_every_iterations is None and save_strategy == "no":
+            raise ValueError("HGPOConfig.load_best_model_at_end: this run saves no checkpoint, so there is no best "
+                             "model to load at the end: set save_every_iterations (a multiple of "
+                             "eval_every_iterations)")
         if self.load_best_model_at_end and self.save_every_iterations is not None and (
                 self.eval_every_iterations is None or self.save_every_iterations % self.eval_every_iterations):
             raise ValueError("HGPOConfig.load_best_model_at_end needs save_every_iterations to be a multiple of "

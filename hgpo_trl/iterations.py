@@ -75,16 +75,22 @@ class EarlyStop(TrainerCallback):
     """Stops the run once validation success has been at or above `early_stop_success` for
     `early_stop_patience` evaluations in a row during training (the success rate is the gathered one, so every
     process stops together), and checkpoints the weights it stopped at; `reason` says why for the summary.
-    Evaluations before training (cli's, `eval_on_start`) and after it, and a resumed run's past, do not count."""
+    Evaluations before training (cli's, `eval_on_start`) and after it, and a resumed run's past, do not count.
+    A stop decided inside an iteration (`eval_steps` under fixed_budget) waits for the iteration's last optimizer
+    step: checkpoints and the iteration count hold at iteration boundaries only."""
 
     def __init__(self, trainer: HGPOTrainer):
         self.trainer = trainer
         self.streak = 0
-        self.training = False
+        self.training = self.pending = False
         self.reason: str | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.streak, self.training, self.reason = 0, True, None
+        self.streak, self.training, self.pending, self.reason = 0, True, False, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.pending and self.trainer.at_iteration_boundary:
+            self._stop(control)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.training = False
@@ -96,11 +102,17 @@ class EarlyStop(TrainerCallback):
         self.streak = self.streak + 1 if success >= args.early_stop_success else 0
         last = (self.trainer.completed_iterations >= args.train_iterations if args.train_iterations is not None
                 else state.global_step >= state.max_steps)
-        if self.streak >= args.early_stop_patience and not last:
-            control.should_training_stop = True
-            control.should_save = True  # (decided after on_evaluate; a best-checkpoint strategy still applies)
+        if self.streak >= args.early_stop_patience and not last and not self.pending:
             self.reason = (f"stopped early: validation success >= {args.early_stop_success:g} at "
                            f"{self.streak} evaluation{'s' * (self.streak > 1)} in a row")
+            self.pending = True
+            if self.trainer.at_iteration_boundary:
+                self._stop(control)
+
+    def _stop(self, control) -> None:
+        control.should_training_stop = True
+        control.should_save = True  # (decided after on_evaluate; a best-checkpoint strategy still applies)
+        self.pending = False
 
 
 class IterationProgress(ProgressCallback):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hgpo_trl.envs.keydoor import KeyDoorEnv
 from tests.test_trainer import make_config, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +110,35 @@ def test_checkpoints_inside_an_iteration_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"save_steps \(3\) must be a multiple of the 2 optimizer steps"):
         make_config(tmp_path, steps_per_generation=2, per_device_train_batch_size=8, save_strategy="steps", save_steps=3)
     make_config(tmp_path, steps_per_generation=2, per_device_train_batch_size=8, save_strategy="steps", save_steps=4)
+
+
+class AnyActionWins(KeyDoorEnv):
+    """Keydoor whose first step wins, whatever the action: validation success is 1 from the start."""
+
+    def step(self, action):
+        observation, _, _, _, info = super().step(action)
+        self._won = self._done = True
+        return observation, 10.0, True, False, {**info, "won": True}
+
+
+def test_an_early_stop_decided_inside_an_iteration_stops_and_saves_at_its_end(tmp_path, tiny_model, tiny_tokenizer):
+    """fixed_budget, 4 optimizer steps an iteration, an evaluation after each: the stop once came at step 1, with
+    3 of the iteration's updates never run and checkpoint-1 recording 0 iterations, inside an iteration, where no
+    checkpoint can resume."""
+    args = make_config(tmp_path, per_device_train_batch_size=4, steps_per_generation=4, train_iterations=3,
+                       eval_strategy="steps", eval_steps=1, early_stop_success=0.5, early_stop_patience=1)
+    trainer = make_trainer(tiny_model, tiny_tokenizer, args, env_factory=AnyActionWins)
+    trainer.train()
+    assert trainer.early_stop.reason is not None
+    assert trainer.state.global_step == 4 and trainer.at_iteration_boundary and trainer.completed_iterations == 1
+    [checkpoint] = (tmp_path / "out").glob("checkpoint-*")
+    assert checkpoint.name == "checkpoint-4"
+    assert json.loads((checkpoint / "hgpo_trainer_state_0.json").read_text())["iterations"] == 1
+
+
+def test_load_best_model_at_end_without_checkpoints_is_refused(tmp_path):
+    """An iteration cadence of evaluations and none of checkpoints: nothing could be loaded at the end."""
+    for step_batching in ("fixed_budget", "all_steps"):
+        with pytest.raises(ValueError, match=r"load_best_model_at_end.*no checkpoint.*set save_every_iterations"):
+            make_config(tmp_path, step_batching=step_batching, eval_every_iterations=1, load_best_model_at_end=True,
+                        metric_for_best_model="success_rate")
