@@ -11,12 +11,15 @@ SFT optimum is the uniform policy over admissible actions.
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+from accelerate.state import AcceleratorState, PartialState
 from datasets import Dataset
 from tqdm.auto import tqdm
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
@@ -107,7 +110,7 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     env.close()
     answer = (lambda a: a) if action_mode == "plain" else (lambda a: f"<think> </think><action>{a}</action>")
     dataset = sft_dataset(tokenizer, pairs, answer)
-    with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch, data_parallel_only(use_cpu):
         # One progress bar for the warm start; no per-step log dicts. The dataset comes tokenized (sft_dataset).
         config = SFTConfig(output_dir=output_dir or scratch, max_steps=steps, per_device_train_batch_size=batch_size,
                            learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
@@ -127,6 +130,32 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
         tqdm.write(f"[warm start] {steps} steps on {len(dataset):,} (prompt, admissible action) pairs in "
                    f"{time.time() - start:.0f} s: loss {metrics['warmstart_loss']:.3f}")
     return metrics
+
+
+@contextmanager
+def data_parallel_only(cpu: bool) -> Iterator[None]:
+    """The warm start trains under plain data parallelism (DDP, or one process), whatever the launch: under a
+    DeepSpeed launch its Trainer would take the launch's DeepSpeed plugin, and accelerate refuses a second
+    DeepSpeed Accelerator (the RL trainer's); a DeepSpeed engine also keeps the model it wraps (ZeRO-3 partitions
+    it, and its hooks stay). Afterwards accelerate's state is cleared, so the next Trainer sets it up afresh from
+    the launch: DeepSpeed, its mixed precision. The warm start is for small models, which data parallelism fits."""
+    from transformers.integrations import deepspeed
+
+    launched_with = os.environ.get("ACCELERATE_USE_DEEPSPEED")
+    # The RL config's DeepSpeed settings, which transformers and TRL read through a global (ZeRO-3's gathers).
+    rl_config = deepspeed._hf_deepspeed_config_weak_ref
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
+    deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = rl_config
+        if launched_with is None:
+            del os.environ["ACCELERATE_USE_DEEPSPEED"]
+        else:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = launched_with
+        AcceleratorState._reset_state(reset_partial_state=True)
+        PartialState(cpu=cpu)  # as the launch set it up (the process group stays)
 
 
 def sft_dataset(tokenizer, pairs: Sequence[tuple[str, str]], answer: Callable[[str], str]) -> Dataset:

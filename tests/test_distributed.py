@@ -70,6 +70,21 @@ def test_two_processes_play_distinct_tasks_and_stay_in_sync(kind, tmp_path, free
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["zero2", "zero3"])
+def test_a_warm_start_then_training_under_deepspeed(kind, tmp_path, free_port):
+    """train.py's first phase, as the quickstart and the tiny recipes run it: the warm start's Trainer took the
+    launch's DeepSpeed plugin, and the RL trainer's second one was refused ("You cannot pass in a deepspeed_plugin
+    when creating a second Accelerator"). The warm start trains under plain data parallelism; the RL trainer runs
+    under the launch's DeepSpeed."""
+    ranks = launch(kind, tmp_path, free_port, "warmstart=3")
+    warm = [r["warmstart"] for r in ranks]
+    assert warm[0]["after"] != warm[0]["before"]  # it trained
+    assert warm[0] == pytest.approx(warm[1], rel=1e-9)  # one model on both processes
+    assert [r["deepspeed"] for r in ranks] == [True, True] and [r["global_step"] for r in ranks] == [2, 2]
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "zero2", "zero3"])
 def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_busiest(kind, tmp_path, free_port):
     """step_batching=all_steps on 2 processes: each process's steps reach its loss exactly once per iteration;

@@ -1,5 +1,8 @@
 """Two-iteration HGPO run on the tiny model, for multi-process tests: `accelerate launch ... train_keydoor.py OUT
-[beta=0.1] [gc=1] [batching=all_steps] [fault=envs|nan]`.
+[beta=0.1] [gc=1] [batching=all_steps] [fault=envs|nan] [warmstart=STEPS]`.
+
+warmstart=STEPS: train.py's order: the config, then a supervised warm start of STEPS steps, then the trainer;
+each process also writes the checksums of the model before and after the warm start.
 
 fault=envs: every environment of process 1 fails its first reset (iteration 1), process 0's are healthy.
 fault=nan: process 1's advantages are NaN in iteration 1; each process writes the error it stopped with.
@@ -101,6 +104,16 @@ def main(out: str, extra: list[str]) -> None:
                       logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
                       disable_tqdm=True, beta=float(options.get("beta", 0.0)),
                       gradient_checkpointing=options.get("gc") == "1", ddp_timeout=60, **batching)
+    warm = {}
+    if "warmstart" in options:
+        from hgpo_trl.envs import make_env
+        from hgpo_trl.warmstart import warm_start
+
+        warm["before"] = float(sum(p.double().sum() for p in model.parameters()))
+        warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=5),
+                   list(make_tasks("keydoor", "train", num_rooms=4, num_colors=4)), steps=int(options["warmstart"]),
+                   max_steps=5, batch_size=8, learning_rate=1e-2, seed=0)
+        warm["after"] = float(sum(p.double().sum() for p in model.parameters()))
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer,
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4),
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=3),
@@ -145,7 +158,8 @@ def main(out: str, extra: list[str]) -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "played": played,
                    "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum_now,
-                   "global_step": trainer.state.global_step, "estimated": ESTIMATED, "seen": seen}, f)
+                   "global_step": trainer.state.global_step, "estimated": ESTIMATED, "seen": seen,
+                   "deepspeed": trainer.is_deepspeed_enabled, "warmstart": warm}, f)
     finish()
 
 
