@@ -102,6 +102,30 @@ def load_run_state(trainer, checkpoint: str) -> None:
         trainer._sample_rng.bit_generator.state = state["sample_rng"]
 
 
+class ResumeError(ValueError):
+    """A checkpoint this run cannot resume (train.py reports it in one line)."""
+
+
+def check_resume(checkpoint: str | bool | None, output_dir: str, processes: int) -> None:
+    """Refuse a checkpoint that another number of processes saved (each saves its own state file): the
+    iteration count, the fault streak and the sub-sampling stream are each process's, the task split and the
+    samples per iteration follow the process count, and DeepSpeed's partitioned optimizer state loads only on
+    the world size that wrote it. `checkpoint`: as Trainer.train takes it (True: the last in output_dir)."""
+    if checkpoint is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        checkpoint = get_last_checkpoint(output_dir)
+    if not isinstance(checkpoint, str | os.PathLike):
+        return
+    saved = len(list(Path(checkpoint).glob(TRAINER_STATE_FILE.format(rank="*"))))
+    if saved and saved != processes:
+        raise ResumeError(
+            f"resume_from_checkpoint: {checkpoint} was saved by {saved} process{'es' * (saved > 1)} and this run has "
+            f"{processes}: its per-process state (iterations, task split, sampling streams; under DeepSpeed the "
+            f"partitioned optimizer) resumes only on {saved}. Resume with {saved} process{'es' * (saved > 1)}, or "
+            f"start a new run from its weights (model_name_or_path: {checkpoint})")
+
+
 def write_trainer_state(folder: str | Path, rank: int, state: dict[str, Any]) -> None:
     """Process `rank`'s own state (the iterations played, its random streams) into checkpoint `folder`."""
     Path(folder).mkdir(parents=True, exist_ok=True)

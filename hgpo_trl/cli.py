@@ -98,7 +98,12 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     if eval_tasks is not None and env_args.eval_before_training and not args.resume_from_checkpoint:
         # (a resumed run has it in its log history)
         trainer.add_callback(EvaluationBeforeTraining(trainer.evaluate()))
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    from hgpo_trl.checkpoints import ResumeError
+
+    try:
+        trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    except ResumeError as err:  # refused before any step
+        raise ConfigError(str(err)) from None
     trainer.save_model(args.output_dir)  # before the final evaluation: nothing trained is lost if it fails
     before = start_evaluation(trainer.state.log_history)
     # The cadence may just have evaluated these weights (eval_every_iterations evaluates after the last iteration).

@@ -437,6 +437,20 @@ ESTIMATOR_FIELDS = {
 """HGPOConfig's advantage fields and the estimator option each becomes."""
 
 
+def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_config: dict[str, Any] | None) -> None:
+    """What `args` alone cannot check: the settings that need validation tasks, and the launch's DeepSpeed config
+    (None without DeepSpeed) against all_steps' schedule."""
+    if args.eval_every_iterations and not has_eval_dataset:
+        raise ValueError("HGPOConfig.eval_every_iterations needs an eval_dataset of task rows")
+    if args.early_stop_success is not None and not has_eval_dataset:
+        raise ValueError("HGPOConfig.early_stop_success needs an eval_dataset of task rows (it stops on "
+                         "validation success)")
+    if args.step_batching == "all_steps" and (deepspeed_config or {}).get("scheduler"):
+        raise ValueError("step_batching='all_steps' schedules the learning rate by iteration: remove the "
+                         "'scheduler' section of the DeepSpeed config (it would step per optimizer step over "
+                         "max_steps, only an upper bound) and set lr_scheduler_type instead")
+
+
 def estimator_fields(estimator: str) -> list[str]:
     """The advantage fields `estimator` reads."""
     options = estimator_options(estimator)

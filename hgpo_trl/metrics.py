@@ -97,6 +97,17 @@ def gathered_metrics(accelerator, local: dict[str, float]) -> dict[str, float]:
     return combine_processes(names, gathered.reshape(-1, len(names)).cpu().numpy())
 
 
+def gather_completions(logs, steps, advantages: np.ndarray) -> None:
+    """Every process's trained samples (prompt, completion, reward, advantage) into TRL's completions table
+    (`logs`: GRPOTrainer's `_logs`). Every process must call it."""
+    from accelerate.utils import gather_object
+
+    logs["prompt"].extend(gather_object([s.prompt for s in steps]))
+    logs["completion"].extend(gather_object([s.completion.text for s in steps]))
+    logs["rewards"]["env_reward"].extend(gather_object([s.reward for s in steps]))
+    logs["advantages"].extend(gather_object(advantages.tolist()))
+
+
 def combine_processes(names: list[str], rows: np.ndarray) -> dict[str, float]:
     """Per metric, its value over processes (`rows`: one row per process, columns in `names` order): the
     minimum for a `min` metric (`.../min`, `.../min_length`), the maximum for a `max` one, else the mean,

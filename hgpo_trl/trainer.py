@@ -21,14 +21,19 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from accelerate.utils import gather_object
 from datasets import Dataset
 from trl import GRPOTrainer
 
 from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
-from hgpo_trl.checkpoints import cpu_map_location, load_run_state, save_checkpoint, save_in_memory_reference
+from hgpo_trl.checkpoints import (
+    check_resume,
+    cpu_map_location,
+    load_run_state,
+    save_checkpoint,
+    save_in_memory_reference,
+)
 from hgpo_trl.collective import any_process, process_max, process_sum
-from hgpo_trl.config import HGPOConfig
+from hgpo_trl.config import HGPOConfig, check_trainer_inputs
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
@@ -36,7 +41,7 @@ from hgpo_trl.evaluation import play_shared, validation_metrics
 from hgpo_trl.generation import generation_settings, trainer_rollout
 from hgpo_trl.iterations import EarlyStop, FaultStreak, IterationCadence, IterationCount, iteration_schedule
 from hgpo_trl.loss_inputs import all_steps_counts, all_steps_inputs, budget_inputs, logprob_inputs
-from hgpo_trl.metrics import SampleCounts, gathered_metrics, iteration_metrics
+from hgpo_trl.metrics import SampleCounts, gather_completions, gathered_metrics, iteration_metrics
 from hgpo_trl.model_card import write_model_card
 from hgpo_trl.reporting import set_up_reporting, transformers_bars_off
 from hgpo_trl.rollout import Rollout, StepRecord
@@ -96,16 +101,8 @@ class HGPOTrainer(GRPOTrainer):
         self._faults = FaultStreak(args.max_faulty_iterations)
         self._micro_batches: deque[dict[str, Any]] = deque()  # all_steps: the current iteration's, in order
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
-        if args.eval_every_iterations and eval_dataset is None:
-            raise ValueError("HGPOConfig.eval_every_iterations needs an eval_dataset of task rows")
-        if args.early_stop_success is not None and eval_dataset is None:
-            raise ValueError("HGPOConfig.early_stop_success needs an eval_dataset of task rows (it stops on "
-                             "validation success)")
-        if args.step_batching == "all_steps" and self.is_deepspeed_enabled and \
-                self.accelerator.state.deepspeed_plugin.deepspeed_config.get("scheduler"):
-            raise ValueError("step_batching='all_steps' schedules the learning rate by iteration: remove the "
-                             "'scheduler' section of the DeepSpeed config (it would step per optimizer step over "
-                             "max_steps, only an upper bound) and set lr_scheduler_type instead")
+        check_trainer_inputs(args, eval_dataset is not None, self.accelerator.state.deepspeed_plugin.deepspeed_config
+                             if self.is_deepspeed_enabled else None)
         self.add_callback(IterationCadence(self))
         self.early_stop = EarlyStop(self)
         self.add_callback(self.early_stop)
@@ -326,6 +323,11 @@ class HGPOTrainer(GRPOTrainer):
             self.state.best_global_step = self.state.global_step
         return is_new_best
 
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """The parent's, refusing before any step a checkpoint that another number of processes saved."""
+        check_resume(resume_from_checkpoint, self.args.output_dir, self.accelerator.num_processes)
+        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         with cpu_map_location(self.args.device):
             super()._load_optimizer_and_scheduler(checkpoint)
@@ -358,12 +360,8 @@ class HGPOTrainer(GRPOTrainer):
     def _log_samples(self, steps: list[StepRecord], advantages: np.ndarray) -> None:
         """The completions table (TRL's `log_completions`): the trained samples of the iteration, gathered only
         when it is asked for (an ALFWorld iteration holds thousands of prompts of thousands of tokens)."""
-        if not self.args.log_completions:
-            return
-        self._logs["prompt"].extend(gather_object([s.prompt for s in steps]))
-        self._logs["completion"].extend(gather_object([s.completion.text for s in steps]))
-        self._logs["rewards"]["env_reward"].extend(gather_object([s.reward for s in steps]))
-        self._logs["advantages"].extend(gather_object(advantages.tolist()))
+        if self.args.log_completions:
+            gather_completions(self._logs, steps, advantages)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:  # training logs say which iteration they end in

@@ -1,6 +1,7 @@
 """Checkpoints (issue 18): the best one is tracked where it ends up, never in the staging folder it was written
 to, whatever the save cadence, so rotation keeps it and load_best_model_at_end loads it."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -142,3 +143,37 @@ def test_load_best_model_at_end_without_checkpoints_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"load_best_model_at_end.*no checkpoint.*set save_every_iterations"):
             make_config(tmp_path, step_batching=step_batching, eval_every_iterations=1, load_best_model_at_end=True,
                         metric_for_best_model="success_rate")
+
+
+LAUNCH = {("ddp", 1): [sys.executable],
+          ("ddp", 2): ["launch", "--config_file", "configs/accelerate/cpu_2proc.yaml"],
+          ("zero2", 1): ["launch", "--config_file", "configs/accelerate/zero2.yaml", "--num_processes", "1"],
+          ("zero2", 2): ["launch", "--config_file", "configs/accelerate/zero2.yaml", "--num_processes", "2"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "saved", "resumed"), [("ddp", 1, 2), ("ddp", 2, 1), ("zero2", 1, 2), ("zero2", 2, 1)])
+def test_a_resume_on_another_number_of_processes_is_refused_before_any_step(kind, saved, resumed, tmp_path, free_port):
+    """Saved on 1 process and resumed on 2, rank 1 found no state of its own and restarted at iteration 0: the
+    ranks applied different learning rates, then one stopped while the other went on, and the launch hung; under
+    DeepSpeed the partitioned optimizer state does not load on another world size. Refused, in one line."""
+    if kind == "zero2" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs the deepspeed extra")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu"}
+
+    def run(processes, *options):
+        launcher = LAUNCH[kind, processes]
+        if launcher[0] == "launch":
+            launcher = [str(Path(sys.executable).with_name("accelerate")), *launcher, "--mixed_precision", "no",
+                        "--main_process_port", str(free_port)]
+        return subprocess.run([*launcher, str(KILL_AND_RESUME), str(tmp_path), "iterations=2", *options], env=env,
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    killed = run(saved, "kill_after=1")
+    assert killed.returncode != 0 and [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"], killed.stderr[-3000:]
+    refused = run(resumed, "resume=1")
+    assert refused.returncode != 0
+    plural = "es" * (saved > 1)
+    assert (f"checkpoint-1 was saved by {saved} process{plural} and this run has {resumed}: "
+            f"its per-process state") in refused.stderr, refused.stderr[-3000:]
+    assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"]  # no step was taken

@@ -1,5 +1,5 @@
 """A 6-iteration HGPO run that checkpoints every iteration:
-`python train_or_die.py OUT [straight=DIR] [kill_after=N] [resume=1]`.
+`python train_or_die.py OUT [straight=DIR] [kill_after=N] [resume=1] [iterations=N]`.
 
 4 tasks, 2 an iteration: a pass over them every 2 iterations, so a kill after iteration 3 falls in the second
 pass. 8 samples drawn from each iteration's steps (sub-sampling), trajectory dumps every iteration.
@@ -44,14 +44,14 @@ def main(out: str, extra: list[str]) -> None:
     if "straight" in options:
         train(options["straight"], tokenizer, [], resume=False)
     callbacks = [KillAfter(int(options["kill_after"]))] if "kill_after" in options else []
-    train(out, tokenizer, callbacks, resume=options.get("resume") == "1")
+    train(out, tokenizer, callbacks, resume=options.get("resume") == "1", iterations=int(options.get("iterations", 6)))
 
 
-def train(out: str, tokenizer, callbacks: list, resume: bool) -> None:
+def train(out: str, tokenizer, callbacks: list, resume: bool, iterations: int = 6) -> None:
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
     args = HGPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=4, tasks_per_device=2,
                       max_completion_length=4, max_env_steps=5, action_mode="plain", invalid_action="noop",
-                      learning_rate=1e-2, train_iterations=6, logging_steps=1, report_to="none", use_cpu=True,
+                      learning_rate=1e-2, train_iterations=iterations, logging_steps=1, report_to="none", use_cpu=True,
                       save_every_iterations=1, seed=0, disable_tqdm=True, trajectory_dump_every=1, ddp_timeout=60)
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, callbacks=callbacks,
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4).select(range(4)))
