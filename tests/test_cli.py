@@ -145,6 +145,22 @@ plots: false
     assert start is not None and summary["success_rate_start"] == start
 
 
+def test_a_checkpoint_of_another_process_count_is_one_line_before_any_step(tmp_path, capsys):
+    from hgpo_trl.cli import main
+
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    for rank in (0, 1):  # the state files a 2-process run leaves in its checkpoints (a real one: test_checkpoints)
+        (checkpoint / f"hgpo_trainer_state_{rank}.json").write_text('{"iterations": 3}')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", write(tmp_path, TINY_RUN + "train_iterations: 4\nplots: false\n"),
+              "--resume_from_checkpoint", str(checkpoint)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "checkpoint-3 was saved by 2 processes and this run has 1" in err, err
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["hgpo_trainer_state_0.json", "hgpo_trainer_state_1.json"]
+
+
 def test_the_kl_reference_is_the_warm_start_and_survives_a_resume(tmp_path, tiny_model_path):
     from safetensors.torch import load_file
 
