@@ -55,19 +55,26 @@ def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def save_in_memory_reference(model, processing_class, args) -> None:
-    """TRL rebuilds the KL reference from `model.config._name_or_path`: a model built (or warm-started) in memory
-    has none, so save its initial weights to `output_dir/reference_model` and point the config at them. A resumed
-    run (`args.resume_from_checkpoint`) keeps the reference its start saved: the model passed in to resume is
-    not the one the run started from."""
+def save_in_memory_weights(model, processing_class, args, peft: bool) -> None:
+    """Save the starting weights of a model built (or warm-started) in memory, which no path names, and point the
+    model at the folder. Without PEFT (and beta > 0) they are the KL reference, which TRL rebuilds from
+    `model.config._name_or_path`: `output_dir/reference_model`. With PEFT they are the base model, which a
+    checkpoint (the adapter alone) does not hold and `adapter_config.json` names: `output_dir/base_model`, the
+    base of resume, `hgpo-merge` and `hgpo-eval`. A resumed run (`args.resume_from_checkpoint`) reuses the folder
+    its start saved: the model passed in to resume is not the one the run started from, and under PEFT the saved
+    base's weights are loaded into it."""
     if not isinstance(model, PreTrainedModel) or model.config._name_or_path:
         return  # a path, an id, or a PEFT model (whose disabled adapter is the reference)
-    path = Path(args.output_dir) / "reference_model"
+    path = Path(args.output_dir) / ("base_model" if peft else "reference_model")
     if args.resume_from_checkpoint:
         if not (path / "config.json").is_file():
-            raise ValueError(f"resume_from_checkpoint with beta={args.beta} and a model built in memory: the KL "
-                             f"reference saved when the run started, {path}, is missing (resume into the run's "
-                             "own output_dir)")
+            what = "the base model" if peft else f"with beta={args.beta}, the KL reference"
+            raise ValueError(f"resume_from_checkpoint with a model built in memory: {what} saved when the run "
+                             f"started, {path}, is missing (resume into the run's own output_dir)")
+        if peft:  # a checkpoint holds the adapter alone
+            from transformers import AutoModelForCausalLM
+
+            model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).state_dict())
     else:
         state = PartialState()
         if state.is_main_process:
@@ -75,7 +82,8 @@ def save_in_memory_reference(model, processing_class, args) -> None:
             if processing_class is not None:  # a complete model folder: vLLM and evaluate.py can load it
                 processing_class.save_pretrained(path)
         state.wait_for_everyone()
-    model.config._name_or_path = str(path)
+    # (PEFT writes the adapter's base_model_name_or_path from the attribute the model was built with)
+    model.config._name_or_path = model.name_or_path = str(path)
 
 
 def save_checkpoint(trainer, trial, parent_save: Callable[[], None]) -> None:

@@ -89,9 +89,9 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     if env_args.warmstart_steps > 0:
         if not args.resume_from_checkpoint:  # a resumed run's checkpoint holds the warm-started weights
             warmstart = run_warm_start(model, tokenizer, env_args, args, train_tasks)
-        if args.beta != 0.0 and not model_args.use_peft:
-            # The run starts from weights made in memory, not the loaded path's: the trainer keeps those as the KL
-            # reference (saved now, reused on a resume). With PEFT the disabled adapter is the reference.
+        if args.beta != 0.0 or model_args.use_peft:
+            # The run starts from weights made in memory, not the loaded path's: the trainer saves them (reused on
+            # a resume) as the KL reference, or with PEFT as the base model that the adapter names.
             model.config._name_or_path = ""
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args))

@@ -30,7 +30,7 @@ from hgpo_trl.checkpoints import (
     cpu_map_location,
     load_run_state,
     save_checkpoint,
-    save_in_memory_reference,
+    save_in_memory_weights,
 )
 from hgpo_trl.collective import any_process, process_max, process_sum
 from hgpo_trl.config import HGPOConfig, check_trainer_inputs
@@ -80,8 +80,8 @@ class HGPOTrainer(GRPOTrainer):
                              f"(e.g. hgpo_trl.envs.make_tasks(...)), got {type(train_dataset).__name__}")
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
-        if args.beta != 0.0 and peft_config is None:
-            save_in_memory_reference(model, processing_class, args)
+        if args.beta != 0.0 or peft_config is not None:
+            save_in_memory_weights(model, processing_class, args, peft=peft_config is not None)
         super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config)
