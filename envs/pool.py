@@ -237,10 +237,15 @@ def default_num_workers(local_processes: int = 1) -> int:
     return max(1, cores // max(1, local_processes))
 
 
+LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
 def local_process_count(num_processes: int) -> int:
-    """The training processes on this node, of the run's `num_processes`: the launcher's LOCAL_WORLD_SIZE
-    (accelerate launch and torchrun set it), else all of them (the fewest workers)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", num_processes))
+    """The training processes on this node, of the run's `num_processes`, as the launcher says it: torchrun and
+    accelerate launch (LOCAL_WORLD_SIZE), DeepSpeed's launcher (LOCAL_SIZE), Open MPI, Slurm; else all of them
+    (the fewest workers)."""
+    value = next((os.environ[name] for name in LOCAL_SIZE_VARIABLES if os.environ.get(name, "").isdigit()), None)
+    return int(value) if value is not None else num_processes
 
 
 def default_worker_count(fast: bool, num_processes: int = 1) -> int:

@@ -55,26 +55,27 @@ def save_staged(trainer, trial, write: Callable[[str], None]) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def save_in_memory_weights(model, processing_class, args, peft: bool) -> None:
+def save_in_memory_weights(model, processing_class, args, peft: bool) -> bool:
     """Save the starting weights of a model built (or warm-started) in memory, which no path names, and point the
     model at the folder. Without PEFT (and beta > 0) they are the KL reference, which TRL rebuilds from
     `model.config._name_or_path`: `output_dir/reference_model`. With PEFT they are the base model, which a
     checkpoint (the adapter alone) does not hold and `adapter_config.json` names: `output_dir/base_model`, the
     base of resume, `hgpo-merge` and `hgpo-eval`. A resumed run (`args.resume_from_checkpoint`) reuses the folder
     its start saved: the model passed in to resume is not the one the run started from, and under PEFT the saved
-    base's weights are loaded into it."""
-    if not isinstance(model, PreTrainedModel) or model.config._name_or_path:
-        return  # a path, an id, or a PEFT model (whose disabled adapter is the reference)
-    path = Path(args.output_dir) / ("base_model" if peft else "reference_model")
+    base's weights are loaded into it. Returns whether it saved the model passed in (a fresh start)."""
+    if not isinstance(model, PreTrainedModel):
+        return False  # a PEFT model passed in: its disabled adapter, or TRL's "ref" copy, is the reference
+    if model.config._name_or_path:  # a path or an id: PEFT names the adapter's base from the model's attribute
+        model.name_or_path = model.config._name_or_path
+        return False
+    path = (Path(args.output_dir) / ("base_model" if peft else "reference_model")).resolve()
     if args.resume_from_checkpoint:
         if not (path / "config.json").is_file():
             what = "the base model" if peft else f"with beta={args.beta}, the KL reference"
             raise ValueError(f"resume_from_checkpoint with a model built in memory: {what} saved when the run "
                              f"started, {path}, is missing (resume into the run's own output_dir)")
         if peft:  # a checkpoint holds the adapter alone
-            from transformers import AutoModelForCausalLM
-
-            model.load_state_dict(AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype).state_dict())
+            load_weights(model, path)
     else:
         state = PartialState()
         if state.is_main_process:
@@ -84,6 +85,24 @@ def save_in_memory_weights(model, processing_class, args, peft: bool) -> None:
         state.wait_for_everyone()
     # (PEFT writes the adapter's base_model_name_or_path from the attribute the model was built with)
     model.config._name_or_path = model.name_or_path = str(path)
+    return not args.resume_from_checkpoint
+
+
+def load_weights(model, folder: Path) -> None:
+    """The weights save_pretrained wrote in `folder` into `model`, in place, file by file (no second model in
+    memory); a weight tied to a loaded one (the LM head to the embeddings) may be absent."""
+    from safetensors.torch import load_file
+
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    loaded = {p.data_ptr() for name, p in model.named_parameters() if name in state}
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    untied = [name for name in missing if name not in parameters or parameters[name].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"{folder} does not hold this model's weights (missing {untied[:3]}, unexpected "
+                         f"{unexpected[:3]})")
 
 
 def save_checkpoint(trainer, trial, parent_save: Callable[[], None]) -> None:
@@ -114,18 +133,27 @@ class ResumeError(ValueError):
     """A checkpoint this run cannot resume (train.py reports it in one line)."""
 
 
-def check_resume(checkpoint: str | bool | None, output_dir: str, processes: int) -> None:
-    """Refuse a checkpoint that another number of processes saved (each saves its own state file): the
-    iteration count, the fault streak and the sub-sampling stream are each process's, the task split and the
-    samples per iteration follow the process count, and DeepSpeed's partitioned optimizer state loads only on
-    the world size that wrote it. `checkpoint`: as Trainer.train takes it (True: the last in output_dir)."""
+def check_resume(checkpoint: str | bool | None, args, processes: int, saved_start: bool) -> None:
+    """Refuse a checkpoint that another number of processes saved (each saves its own state file; the Trainer's
+    rng_state files in a checkpoint from before): the iteration count, the fault streak and the sub-sampling
+    stream are each process's, the task split and the samples per iteration follow the process count, and
+    DeepSpeed's partitioned optimizer state loads only on the world size that wrote it. Refuse too a resume that
+    `args.resume_from_checkpoint` does not announce when the trainer saved the model passed in as the run's
+    start (`saved_start`, `save_in_memory_weights`): it would have overwritten the run's own. `checkpoint`: as
+    Trainer.train takes it (True: the last in output_dir)."""
+    output_dir = args.output_dir
     if checkpoint is True:
         from transformers.trainer_utils import get_last_checkpoint
 
         checkpoint = get_last_checkpoint(output_dir)
     if not isinstance(checkpoint, str | os.PathLike):
         return
-    saved = len(list(Path(checkpoint).glob(TRAINER_STATE_FILE.format(rank="*"))))
+    if saved_start and not args.resume_from_checkpoint:
+        raise ResumeError(f"train(resume_from_checkpoint={str(checkpoint)!r}): set HGPOConfig.resume_from_checkpoint "
+                          "to it too (train.py does), so that the trainer reuses the run's saved reference / base "
+                          "model instead of saving the model passed in over it")
+    saved = (len(list(Path(checkpoint).glob(TRAINER_STATE_FILE.format(rank="*"))))
+             or len(list(Path(checkpoint).glob("rng_state_*.pth"))) or int(Path(checkpoint, "rng_state.pth").is_file()))
     if saved and saved != processes:
         raise ResumeError(
             f"resume_from_checkpoint: {checkpoint} was saved by {saved} process{'es' * (saved > 1)} and this run has "

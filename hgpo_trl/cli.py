@@ -52,13 +52,20 @@ def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig
                          hidden_size=env_args.tiny_hidden_size, num_layers=env_args.tiny_num_layers,
                          num_heads=env_args.tiny_num_heads, vocab_rows=env_args.tiny_vocab_rows, seed=args.seed,
                          progress=not args.disable_tqdm)
+    from contextlib import nullcontext
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hgpo_trl.warmstart import without_deepspeed_config
 
     kwargs = {"revision": model_args.model_revision, "trust_remote_code": args.trust_remote_code}
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, dtype=model_args.dtype or "auto",
-                                                     attn_implementation=model_args.attn_implementation, **kwargs)
+        # A model to warm-start loads whole: under ZeRO-3 from_pretrained would partition it.
+        with without_deepspeed_config() if env_args.warmstart_steps > 0 else nullcontext():
+            model = AutoModelForCausalLM.from_pretrained(
+                model_args.model_name_or_path, dtype=model_args.dtype or "auto",
+                attn_implementation=model_args.attn_implementation, **kwargs)
     except OSError as err:  # not found, no network, no access: transformers' own message, one line
         raise ConfigError(f"ModelConfig.model_name_or_path: cannot load {model_args.model_name_or_path!r}: "
                           f"{str(err).strip().splitlines()[0]}") from None

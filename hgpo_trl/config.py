@@ -232,6 +232,13 @@ class HGPOConfig(GRPOConfig):
             raise ValueError(f"HGPOConfig.save_steps ({self.save_steps}) must be a multiple of the {steps_per_iteration} "
                              "optimizer steps of an iteration: a checkpoint inside one cannot resume it (TRL's buffer "
                              "of its samples is not saved); or use save_every_iterations")
+        eval_steps = self.eval_steps or 0
+        if (self.step_batching == "fixed_budget" and str(getattr(self.save_strategy, "value", self.save_strategy))
+                == "best" and eval_steps >= 1 and steps_per_iteration > 1 and eval_steps % steps_per_iteration):
+            raise ValueError(f"HGPOConfig.eval_steps ({eval_steps}) must be a multiple of the {steps_per_iteration} "
+                             "optimizer steps of an iteration under save_strategy='best', which saves after an "
+                             "evaluation: a checkpoint inside an iteration cannot resume it; or use "
+                             "eval_every_iterations and save_every_iterations")
 
     def _set_iteration_cadence(self) -> None:
         """eval_every_iterations / save_every_iterations replace the optimizer-step strategies, which cannot say

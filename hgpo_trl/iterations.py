@@ -83,14 +83,17 @@ class EarlyStop(TrainerCallback):
         self.trainer = trainer
         self.streak = 0
         self.training = self.pending = False
-        self.reason: str | None = None
+        self.reason: str | None = None  # why the run stopped, once it has
+        self.decision = ""
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.streak, self.training, self.pending, self.reason = 0, True, False, None
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.pending and self.trainer.at_iteration_boundary:
-            self._stop(control)
+            self.pending = False
+            if not self._last(args, state):  # (the iteration that ended was the run's last: nothing to stop)
+                self._stop(control)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.training = False
@@ -100,19 +103,22 @@ class EarlyStop(TrainerCallback):
         if args.early_stop_success is None or success is None or not self.training or state.global_step == 0:
             return
         self.streak = self.streak + 1 if success >= args.early_stop_success else 0
-        last = (self.trainer.completed_iterations >= args.train_iterations if args.train_iterations is not None
-                else state.global_step >= state.max_steps)
-        if self.streak >= args.early_stop_patience and not last and not self.pending:
-            self.reason = (f"stopped early: validation success >= {args.early_stop_success:g} at "
-                           f"{self.streak} evaluation{'s' * (self.streak > 1)} in a row")
-            self.pending = True
+        if self.streak >= args.early_stop_patience and not self._last(args, state) and not self.pending:
+            self.decision = (f"stopped early: validation success >= {args.early_stop_success:g} at "
+                             f"{self.streak} evaluation{'s' * (self.streak > 1)} in a row")
             if self.trainer.at_iteration_boundary:
                 self._stop(control)
+            else:
+                self.pending = True
+
+    def _last(self, args, state) -> bool:
+        return (self.trainer.completed_iterations >= args.train_iterations if args.train_iterations is not None
+                else state.global_step >= state.max_steps)
 
     def _stop(self, control) -> None:
         control.should_training_stop = True
         control.should_save = True  # (decided after on_evaluate; a best-checkpoint strategy still applies)
-        self.pending = False
+        self.reason = self.decision
 
 
 class IterationProgress(ProgressCallback):

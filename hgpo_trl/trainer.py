@@ -80,8 +80,8 @@ class HGPOTrainer(GRPOTrainer):
                              f"(e.g. hgpo_trl.envs.make_tasks(...)), got {type(train_dataset).__name__}")
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
-        if args.beta != 0.0 or peft_config is not None:
-            save_in_memory_weights(model, processing_class, args, peft=peft_config is not None)
+        self._saved_start = (args.beta != 0.0 or peft_config is not None) and save_in_memory_weights(
+            model, processing_class, args, peft=peft_config is not None)
         super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers, peft_config=peft_config)
@@ -325,7 +325,7 @@ class HGPOTrainer(GRPOTrainer):
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """The parent's, refusing before any step a checkpoint that another number of processes saved."""
-        check_resume(resume_from_checkpoint, self.args.output_dir, self.accelerator.num_processes)
+        check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint):

@@ -133,27 +133,38 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
 
 
 @contextmanager
-def data_parallel_only(cpu: bool) -> Iterator[None]:
-    """The warm start trains under plain data parallelism (DDP, or one process), whatever the launch: under a
-    DeepSpeed launch its Trainer would take the launch's DeepSpeed plugin, and accelerate refuses a second
-    DeepSpeed Accelerator (the RL trainer's); a DeepSpeed engine also keeps the model it wraps (ZeRO-3 partitions
-    it, and its hooks stay). Afterwards accelerate's state is cleared, so the next Trainer sets it up afresh from
-    the launch: DeepSpeed, its mixed precision. The warm start is for small models, which data parallelism fits."""
+def without_deepspeed_config() -> Iterator[None]:
+    """The RL config's DeepSpeed settings out of the way for the block: transformers and TRL read them through a
+    global, by which from_pretrained partitions a model as it loads it under ZeRO-3 (a model to warm-start must
+    load whole) and TRL gathers ZeRO-3 parameters."""
     from transformers.integrations import deepspeed
 
-    launched_with = os.environ.get("ACCELERATE_USE_DEEPSPEED")
-    # The RL config's DeepSpeed settings, which transformers and TRL read through a global (ZeRO-3's gathers).
     rl_config = deepspeed._hf_deepspeed_config_weak_ref
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "false"
     deepspeed._hf_deepspeed_config_weak_ref = None
     try:
         yield
     finally:
         deepspeed._hf_deepspeed_config_weak_ref = rl_config
-        if launched_with is None:
-            del os.environ["ACCELERATE_USE_DEEPSPEED"]
-        else:
-            os.environ["ACCELERATE_USE_DEEPSPEED"] = launched_with
+
+
+@contextmanager
+def data_parallel_only(cpu: bool) -> Iterator[None]:
+    """The warm start trains under plain data parallelism (DDP, or one process), whatever the launch: under a
+    DeepSpeed (or FSDP) launch its Trainer would take the launch's plugin, and accelerate refuses a second
+    DeepSpeed Accelerator (the RL trainer's); a DeepSpeed engine, or FSDP, also keeps the model it wraps (ZeRO-3
+    partitions it, and its hooks stay). Afterwards accelerate's state is cleared, so the next Trainer sets it up
+    afresh from the launch. The warm start is for small models, which data parallelism fits."""
+    launched_with = {name: os.environ.get(name) for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")}
+    os.environ.update(dict.fromkeys(launched_with, "false"))
+    try:
+        with without_deepspeed_config():
+            yield
+    finally:
+        for name, value in launched_with.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
         AcceleratorState._reset_state(reset_partial_state=True)
         PartialState(cpu=cpu)  # as the launch set it up (the process group stays)
 

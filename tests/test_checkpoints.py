@@ -137,6 +137,27 @@ def test_an_early_stop_decided_inside_an_iteration_stops_and_saves_at_its_end(tm
     assert json.loads((checkpoint / "hgpo_trainer_state_0.json").read_text())["iterations"] == 1
 
 
+def test_an_early_stop_decided_in_the_last_iteration_leaves_the_run_complete(tmp_path, tiny_model, tiny_tokenizer):
+    """Decided inside the run's last iteration, the stop would come at its end: the run is complete there, so no
+    stop, no forced checkpoint, and no "stopped early" in the summary."""
+    args = make_config(tmp_path, per_device_train_batch_size=4, steps_per_generation=4, train_iterations=1,
+                       eval_strategy="steps", eval_steps=1, early_stop_success=0.5, early_stop_patience=1)
+    trainer = make_trainer(tiny_model, tiny_tokenizer, args, env_factory=AnyActionWins)
+    trainer.train()
+    assert trainer.state.global_step == 4 and trainer.early_stop.reason is None
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_save_strategy_best_with_evaluations_inside_an_iteration_is_refused(tmp_path):
+    """save_strategy='best' saves after an evaluation that sets a new best: with eval_steps inside an iteration,
+    its checkpoints could not resume."""
+    best = dict(steps_per_generation=4, per_device_train_batch_size=4, eval_strategy="steps", save_strategy="best",
+                metric_for_best_model="success_rate")
+    with pytest.raises(ValueError, match=r"eval_steps \(1\) must be a multiple of the 4 optimizer steps"):
+        make_config(tmp_path, eval_steps=1, **best)
+    make_config(tmp_path, eval_steps=4, **best)
+
+
 def test_load_best_model_at_end_without_checkpoints_is_refused(tmp_path):
     """An iteration cadence of evaluations and none of checkpoints: nothing could be loaded at the end."""
     for step_batching in ("fixed_budget", "all_steps"):
@@ -177,3 +198,16 @@ def test_a_resume_on_another_number_of_processes_is_refused_before_any_step(kind
     assert (f"checkpoint-1 was saved by {saved} process{plural} and this run has {resumed}: "
             f"its per-process state") in refused.stderr, refused.stderr[-3000:]
     assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"]  # no step was taken
+
+
+def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tmp_path):
+    from hgpo_trl.checkpoints import ResumeError, check_resume
+
+    args = make_config(tmp_path)
+    old = tmp_path / "checkpoint-4"
+    old.mkdir()
+    for rank in (0, 1):  # the Trainer's own per-process files
+        (old / f"rng_state_{rank}.pth").write_bytes(b"")
+    with pytest.raises(ResumeError, match="was saved by 2 processes and this run has 1"):
+        check_resume(str(old), args, processes=1, saved_start=False)
+    check_resume(str(old), args, processes=2, saved_start=False)

@@ -4,6 +4,7 @@ LoRA run after a warm start (issue 31): saved once, the one that training, resum
 
 import json
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -104,3 +105,28 @@ def test_a_notebook_s_warm_started_model_with_lora_saves_an_evaluable_folder(tmp
     assert torch.equal(embeddings(out / "base_model"), base)
     model, _ = players.load_model(ModelConfig(model_name_or_path=str(out)), EnvArguments(), trainer.args)
     assert torch.equal(model.get_input_embeddings().weight.detach(), base)
+
+
+def test_a_saved_base_named_by_the_user_is_the_adapter_s_base(tmp_path, tiny_model, tiny_tokenizer):
+    """A notebook that saves its warm-started base and sets config._name_or_path to it: PEFT wrote null (it reads
+    the name the model was built with)."""
+    tiny_model.save_pretrained(tmp_path / "mine")
+    tiny_model.config._name_or_path = str(tmp_path / "mine")
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, train_iterations=1), peft_config=lora)
+    trainer.save_model()
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+        str(tmp_path / "mine")
+
+
+def test_a_resume_the_config_does_not_announce_is_refused_when_the_start_was_saved(tmp_path, tiny_model,
+                                                                                      tiny_tokenizer):
+    """trainer.train(resume_from_checkpoint=...) alone: the trainer had saved the model passed in as the run's base
+    over the one the run started from; it says to set HGPOConfig.resume_from_checkpoint instead."""
+    from hgpo_trl.checkpoints import ResumeError
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path), peft_config=lora)
+    with pytest.raises(ResumeError, match="set HGPOConfig.resume_from_checkpoint to it too"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    assert trainer.state.global_step == 0

@@ -162,10 +162,13 @@ def test_default_workers_count_this_node_s_processes(monkeypatch):
     """The default worker count shares this node's cores among this node's training processes, not the run's."""
     from hgpo_trl.envs.pool import local_process_count
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert local_process_count(16) == 2  # 16 processes in the run, 2 of them on this node
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
     assert local_process_count(4) == 4  # a launcher that does not say: all of them (the fewest workers)
+    monkeypatch.setenv("LOCAL_SIZE", "8")  # DeepSpeed's launcher (accelerate's multi-node DeepSpeed default)
+    assert local_process_count(16) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun, accelerate launch
+    assert local_process_count(16) == 2  # 16 processes in the run, 2 of them on this node
 
 
 def test_exiting_worker_is_restarted(pool):

@@ -3,6 +3,7 @@ same conversational rows, for the word-level tiny tokenizer and the real Qwen to
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,22 @@ def test_sft_dataset_matches_trl(tokenizer_name, action_mode, tiny_tokenizer, tm
     completion = [t for t in ours["labels"][0] if t != -100]
     assert pairs[0][1].replace(" ", "") in tokenizer.decode(completion).replace(" ", "")  # (word-level spaces)
     assert all(t == -100 for t in ours["labels"][0][:len(ours["labels"][0]) - len(completion)])
+
+
+def test_the_warm_start_runs_outside_the_launch_s_deepspeed_and_fsdp_and_restores_them(monkeypatch):
+    """Inside: accelerate and transformers see no DeepSpeed (a second DeepSpeed Accelerator is refused) and no
+    FSDP; after: the launch's settings, and accelerate set up afresh for the RL trainer."""
+    from accelerate import PartialState
+    from transformers.integrations import deepspeed
+
+    from hgpo_trl.warmstart import data_parallel_only
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    marker = object()
+    monkeypatch.setattr(deepspeed, "_hf_deepspeed_config_weak_ref", marker)
+    with data_parallel_only(cpu=True):
+        assert os.environ["ACCELERATE_USE_FSDP"] == os.environ["ACCELERATE_USE_DEEPSPEED"] == "false"
+        assert deepspeed._hf_deepspeed_config_weak_ref is None
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true" and "ACCELERATE_USE_DEEPSPEED" not in os.environ
+    assert deepspeed._hf_deepspeed_config_weak_ref is marker and PartialState().initialized

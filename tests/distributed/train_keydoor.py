@@ -1,8 +1,9 @@
 """Two-iteration HGPO run on the tiny model, for multi-process tests: `accelerate launch ... train_keydoor.py OUT
-[beta=0.1] [gc=1] [batching=all_steps] [fault=envs|nan] [warmstart=STEPS]`.
+[beta=0.1] [gc=1] [batching=all_steps] [fault=envs|nan] [warmstart=STEPS [model=folder]]`.
 
 warmstart=STEPS: train.py's order: the config, then a supervised warm start of STEPS steps, then the trainer;
-each process also writes the checksums of the model before and after the warm start.
+each process also writes the checksums of the model before and after the warm start. model=folder: the tiny
+model saved to a folder and loaded by train.py's loader (hgpo_trl.cli.load_model), as a hub model is.
 
 fault=envs: every environment of process 1 fails its first reset (iteration 1), process 0's are healthy.
 fault=nan: process 1's advantages are NaN in iteration 1; each process writes the error it stopped with.
@@ -106,8 +107,20 @@ def main(out: str, extra: list[str]) -> None:
                       gradient_checkpointing=options.get("gc") == "1", ddp_timeout=60, **batching)
     warm = {}
     if "warmstart" in options:
+        from trl import ModelConfig
+
+        from hgpo_trl.cli import EnvArguments, load_model
         from hgpo_trl.envs import make_env
         from hgpo_trl.warmstart import warm_start
+
+        if options.get("model") == "folder":  # loaded as train.py loads a hub model (ZeRO-3 would partition it)
+            folder = os.path.join(out, "model")
+            if PartialState().is_main_process:
+                model.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+            PartialState().wait_for_everyone()
+            model, tokenizer = load_model(ModelConfig(model_name_or_path=folder, dtype="float32"),
+                                          EnvArguments(warmstart_steps=int(options["warmstart"])), args, [])
 
         warm["before"] = float(sum(p.double().sum() for p in model.parameters()))
         warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=5),
