@@ -173,7 +173,9 @@ LAUNCH = {("ddp", 1): [sys.executable],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "saved", "resumed"), [("ddp", 1, 2), ("ddp", 2, 1), ("zero2", 1, 2), ("zero2", 2, 1)])
+# ZeRO-2 from 2 processes (the paper configs' launch) to another count; a 1-process DeepSpeed checkpoint takes the
+# same check as ddp 1 -> 2 (the case was dropped to keep the suite's time: each case is two launches).
+@pytest.mark.parametrize(("kind", "saved", "resumed"), [("ddp", 1, 2), ("ddp", 2, 1), ("zero2", 2, 1)])
 def test_a_resume_on_another_number_of_processes_is_refused_before_any_step(kind, saved, resumed, tmp_path, free_port):
     """Saved on 1 process and resumed on 2, rank 1 found no state of its own and restarted at iteration 0: the
     ranks applied different learning rates, then one stopped while the other went on, and the launch hung; under
