@@ -38,6 +38,16 @@ class FaultStreak:
             return faults[0] if faults else "on another process"
         return None
 
+    def stop_if_broken(self, trainer: HGPOTrainer, rollout: Rollout) -> None:
+        """After `limit` mostly-faulted iterations in a row: save a checkpoint and raise, on every process."""
+        if (example := self.update(trainer.accelerator, rollout)) is not None:
+            trainer._save_checkpoint(trainer.model, trial=None)
+            raise RuntimeError(
+                f"environment faults: more than half the episodes failed in {self.limit} iterations in a row "
+                f"(iteration {trainer._iteration}; e.g. {example}). A checkpoint was saved in "
+                f"{trainer.args.output_dir}; fix the environment (or raise env_step_timeout / max_faulty_iterations) "
+                "and resume with --resume_from_checkpoint")
+
 
 @dataclass
 class IterationCount:

@@ -23,6 +23,33 @@ class SampleCounts:
     optimizer_steps: int = 1  # optimizer steps the iteration makes
 
 
+class TrainedSteps:
+    """How often each step of the current all_steps iteration went through the loss, counted in `compute_loss`
+    from the micro-batches' `step_rows` (-1: a padding row): the check that every collected step was trained,
+    from the run's own counters rather than from the plan."""
+
+    def __init__(self):
+        self.passes: np.ndarray | None = None
+
+    def start(self, num_steps: int) -> None:
+        self.passes = np.zeros(num_steps, dtype=np.int64)
+
+    def count(self, step_rows) -> None:
+        if self.passes is not None:
+            rows = np.asarray(step_rows)
+            np.add.at(self.passes, rows[rows >= 0], 1)
+
+    def finish(self) -> dict[str, float] | None:
+        """This process's `steps/trained` (distinct steps trained), `steps/max_untrained` (collected, never
+        trained: 0 in a sound run) and `steps/trained_passes` (rows trained, copies and epochs included); None
+        when no iteration was counted since the last call."""
+        passes, self.passes = self.passes, None
+        if passes is None:
+            return None
+        return {"steps/trained": float((passes > 0).sum()), "steps/max_untrained": float((passes == 0).sum()),
+                "steps/trained_passes": float(passes.sum())}
+
+
 def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray, samples: SampleCounts, args,
                       levels: list[LevelStats] | None, *, eos_token_ids, diagnostics: bool,
                       advantage_seconds: float, training_seconds: float) -> dict[str, float]:
@@ -97,11 +124,15 @@ def gathered_metrics(accelerator, local: dict[str, float]) -> dict[str, float]:
     return combine_processes(names, gathered.reshape(-1, len(names)).cpu().numpy())
 
 
-def gather_completions(logs, steps, advantages: np.ndarray) -> None:
-    """Every process's trained samples (prompt, completion, reward, advantage) into TRL's completions table
-    (`logs`: GRPOTrainer's `_logs`). Every process must call it."""
+def log_completions(trainer, steps, advantages: np.ndarray) -> None:
+    """The trained samples of an iteration (prompt, completion, reward, advantage) of every process into TRL's
+    completions table (`trainer._logs`), when `log_completions` asks for it: an ALFWorld iteration holds
+    thousands of prompts of thousands of tokens. Every process must call it."""
+    if not trainer.args.log_completions:
+        return
     from accelerate.utils import gather_object
 
+    logs = trainer._logs
     logs["prompt"].extend(gather_object([s.prompt for s in steps]))
     logs["completion"].extend(gather_object([s.completion.text for s in steps]))
     logs["rewards"]["env_reward"].extend(gather_object([s.reward for s in steps]))

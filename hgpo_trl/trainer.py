@@ -40,8 +40,14 @@ from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.evaluation import play_shared, validation_metrics
 from hgpo_trl.generation import generation_settings, trainer_rollout
 from hgpo_trl.iterations import EarlyStop, FaultStreak, IterationCadence, IterationCount, iteration_schedule
-from hgpo_trl.loss_inputs import all_steps_counts, all_steps_inputs, budget_inputs, logprob_inputs
-from hgpo_trl.metrics import SampleCounts, gather_completions, gathered_metrics, iteration_metrics
+from hgpo_trl.loss_inputs import (
+    all_steps_counts,
+    all_steps_inputs,
+    budget_inputs,
+    completion_positions_only,
+    logprob_inputs,
+)
+from hgpo_trl.metrics import SampleCounts, TrainedSteps, gathered_metrics, iteration_metrics, log_completions
 from hgpo_trl.model_card import write_model_card
 from hgpo_trl.reporting import set_up_reporting, transformers_bars_off
 from hgpo_trl.rollout import Rollout, StepRecord
@@ -100,6 +106,7 @@ class HGPOTrainer(GRPOTrainer):
         self._iterations = IterationCount()
         self._faults = FaultStreak(args.max_faulty_iterations)
         self._micro_batches: deque[dict[str, Any]] = deque()  # all_steps: the current iteration's, in order
+        self._trained = TrainedSteps()  # all_steps: the steps/trained counters
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
         check_trainer_inputs(args, eval_dataset is not None, self.accelerator.state.deepspeed_plugin.deepspeed_config
                              if self.is_deepspeed_enabled else None)
@@ -116,8 +123,7 @@ class HGPOTrainer(GRPOTrainer):
             ticks = Dataset.from_dict({"tick": list(range(self.args.max_steps * self.args.gradient_accumulation_steps
                                                          * self.accelerator.num_processes))})
             return self._get_dataloader(dataset=ticks, description="Training", batch_size=1,
-                                        sampler_fn=torch.utils.data.SequentialSampler,
-                                        is_training=True)
+                                        sampler_fn=torch.utils.data.SequentialSampler, is_training=True)
         return self._get_dataloader(dataset=self.train_dataset, description="Training",
                                     batch_size=self.args.tasks_per_device, sampler_fn=self._get_train_sampler,
                                     is_training=True)
@@ -182,7 +188,7 @@ class HGPOTrainer(GRPOTrainer):
         seconds spent on the advantages). Stops every process when the environments keep failing or an
         advantage is not finite."""
         rollout = self._play(tasks, self.num_generations, self.temperature)
-        self._check_faults(rollout)
+        self._faults.stop_if_broken(self, rollout)  # a broken environment stops the run
         batch = rollout.step_batch()
         tick = time.perf_counter()
         advantages = compute_advantages(self.args.estimator, batch, **self.args.estimator_options())
@@ -209,6 +215,8 @@ class HGPOTrainer(GRPOTrainer):
                 # and the optimizer step the Trainer still takes moves nothing; IterationCadence stops the run.
                 return torch.zeros((), device=self.accelerator.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
+        if not self._micro_batches and (trained := self._trained.finish()) is not None:  # the iteration's last
+            self._log_gathered("train", trained)
         # The parent builds the batch (rollout and all) inside training_step: that time is not training.
         self._training_seconds += time.perf_counter() - tick - self._batch_seconds
         return loss
@@ -218,6 +226,8 @@ class HGPOTrainer(GRPOTrainer):
         window's last micro-batch, so a check after it would come too late. Every process takes the same
         decision, so none is left waiting in a collective."""
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.model.training and "step_rows" in inputs:
+            self._trained.count(inputs["step_rows"])
         if self.model.training and any_process(self.accelerator, not torch.isfinite(loss).all()):
             raise FloatingPointError(
                 f"non-finite loss at iteration {self._iteration} (1-based; optimizer step {self.state.global_step + 1}): the "
@@ -231,7 +241,7 @@ class HGPOTrainer(GRPOTrainer):
         rollout, batch, advantages, advantage_seconds = self._play_iteration(list(inputs))
         output, selected, samples = budget_inputs(self, rollout, advantages)
         self._log_iteration(mode, rollout, batch, advantages, samples, advantage_seconds)
-        self._log_samples([rollout.steps[i] for i in selected], advantages[selected])
+        log_completions(self, [rollout.steps[i] for i in selected], advantages[selected])
         self._iteration += 1
         self._batch_seconds = time.perf_counter() - start
         return output
@@ -262,16 +272,21 @@ class HGPOTrainer(GRPOTrainer):
                                       self.args.fill_last_micro_batch, self.args.shuffle_steps, self._sample_rng)
             windows = windows_for(process_max(self.accelerator, len(plan)), self.args.gradient_accumulation_steps)
             samples = all_steps_counts(len(rollout.steps), plan, windows, self.args, self.num_iterations)
+            self._trained.start(len(rollout.steps))
             self._log_iteration("train", rollout, batch, advantages, samples, advantage_seconds)
             self._iteration += 1
         rows = np.concatenate([np.zeros(0, dtype=np.int64), *plan])  # (this process may have no step)
-        self._log_samples([rollout.steps[i] for i in rows], advantages[rows])
+        log_completions(self, [rollout.steps[i] for i in rows], advantages[rows])
         return all_steps_inputs(self, rollout, advantages, plan, windows)
 
     # ------------------------------------------------------------------ samples
     def _samples(self, steps: list[StepRecord], advantages: np.ndarray, padding: int) -> dict[str, torch.Tensor]:
         return sample_tensors(steps, advantages, padding, self._tokenizer.pad_token_id, self.eos_token_ids[0],
                               self.accelerator.device, self.mask_truncated_completions, self.eos_token_ids)
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        with completion_positions_only():  # (hgpo_trl.loss_inputs)
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _logprob_inputs(self, samples: dict[str, torch.Tensor], steps: list[StepRecord], old: bool) -> dict:
         inputs, sampling = logprob_inputs(self, samples, steps, old)  # (hgpo_trl.loss_inputs)
@@ -283,17 +298,6 @@ class HGPOTrainer(GRPOTrainer):
         """Write step records to output_dir/trajectories/<name>[_rank<i>].jsonl (read by hgpo_trl.trajectories)."""
         suffix = f"_rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
         write_records(Path(self.args.output_dir) / "trajectories" / f"{name}{suffix}.jsonl", records)
-
-    def _check_faults(self, rollout: Rollout) -> None:
-        """A broken environment must stop the run, not let it train on nothing for days: after
-        `max_faulty_iterations` mostly-faulted iterations in a row, save a checkpoint and raise."""
-        if (example := self._faults.update(self.accelerator, rollout)) is not None:
-            self._save_checkpoint(self.model, trial=None)
-            raise RuntimeError(
-                f"environment faults: more than half the episodes failed in {self._faults.limit} iterations in a row "
-                f"(iteration {self._iteration}; e.g. {example}). A checkpoint was saved in {self.args.output_dir}; "
-                "fix the environment (or raise env_step_timeout / max_faulty_iterations) and resume with "
-                "--resume_from_checkpoint")
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -356,12 +360,6 @@ class HGPOTrainer(GRPOTrainer):
         """Gather every process's `local` metrics (the same keys everywhere) and log them combined."""
         for name, value in gathered_metrics(self.accelerator, local).items():
             self._metrics[mode][name].append(value)
-
-    def _log_samples(self, steps: list[StepRecord], advantages: np.ndarray) -> None:
-        """The completions table (TRL's `log_completions`): the trained samples of the iteration, gathered only
-        when it is asked for (an ALFWorld iteration holds thousands of prompts of thousands of tokens)."""
-        if self.args.log_completions:
-            gather_completions(self._logs, steps, advantages)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:  # training logs say which iteration they end in

@@ -43,7 +43,8 @@ def rollout_records(rollout: Rollout, tasks: Sequence[Mapping[str, Any]], advant
         records.append({
             "task": task, "task_type": next((str(task[f]) for f in TASK_TYPE_FIELDS if f in task), None),
             "group": step.group, "episode": step.traj, "t": step.step, "prompt": step.prompt,
-            "output": step.completion.text, "action": step.action, "valid": step.valid,
+            "output": step.completion.text, "prompt_tokens": len(step.completion.prompt_ids),
+            "completion_tokens": len(step.completion.completion_ids), "action": step.action, "valid": step.valid,
             "observation": step.observation, "reward": step.reward, "return": float(returns[i]),
             "advantage": None if advantages is None else float(advantages[i]),
             "peer_levels": [int(k) for k in np.flatnonzero(peers[i])],

@@ -156,6 +156,11 @@ def test_every_collected_step_reaches_the_loss_exactly_once_per_iteration(tmp_pa
     assert [h["steps/optimizer_steps"] for h in logs] == [w * passes for w in windows]
     assert optimizer_steps_taken(trainer) == trainer.state.global_step == sum(windows) * passes
     assert trainer.completed_iterations == 3 and trainer.state.global_step <= trainer.args.max_steps
+    # The run's own counters say the same: each collected step went through the loss once per pass, none missed.
+    trained = [h for h in trainer.state.log_history if "steps/trained" in h]
+    assert [h["steps/trained"] for h in trained] == [len(v) for v in unique_advantages]
+    assert [h["steps/trained_passes"] for h in trained] == [len(v) * passes for v in unique_advantages]
+    assert all(h["steps/max_untrained"] == 0 for h in trained)
     # Old log-probabilities whenever an iteration makes more than one optimizer step.
     assert all(c["old"] for c in calls)
 
@@ -170,6 +175,8 @@ def test_duplicates_fill_micro_batches_and_are_counted(tmp_path, tiny_model, tin
     for values, log in zip(unique_advantages, logs, strict=True):
         assert log["steps/duplicated"] == -len(values) % 3
     assert all(c["rows"] in (3, 0) for c in calls)  # full micro-batches, or padding alone
+    trained = [h for h in trainer.state.log_history if "steps/trained" in h]
+    assert [h["steps/trained_passes"] - h["steps/trained"] for h in trained] == [h["steps/duplicated"] for h in logs]
     seen = [a for c in calls for a in c["advantages"]]
     assert set(seen) == {float(np.float32(a)) for values in unique_advantages for a in values}
 
@@ -357,3 +364,21 @@ def test_eval_every_iterations_needs_an_eval_dataset(tmp_path, tiny_model, tiny_
     with pytest.raises(ValueError, match="eval_every_iterations needs an eval_dataset"):
         HGPOTrainer(model=tiny_model, args=make_config(tmp_path, eval_every_iterations=1),
                     processing_class=tiny_tokenizer, train_dataset=make_tasks("keydoor", "train", num_tasks=4))
+
+
+def test_a_micro_batch_that_skips_steps_is_seen_by_the_counters(tmp_path, tiny_model, tiny_tokenizer):
+    """The counters check what reached the loss, not the plan: drop one micro-batch's rows and they say so."""
+    trainer = make_trainer(tiny_model, tiny_tokenizer, all_steps_config(tmp_path, train_iterations=1))
+    original = trainer._all_steps_iteration
+
+    def losing_one_micro_batch():
+        batches = original()
+        batches[0]["step_rows"] = torch.full_like(batches[0]["step_rows"], -1)
+        return batches
+
+    trainer._all_steps_iteration = losing_one_micro_batch
+    trainer.train()
+    collected = next(h for h in trainer.state.log_history if "steps/collected" in h)["steps/collected"]
+    trained = next(h for h in trainer.state.log_history if "steps/trained" in h)
+    assert trained["steps/max_untrained"] == 4 and trained["steps/trained"] == collected - 4
+

@@ -415,3 +415,34 @@ def test_early_stop_counts_only_evaluations_during_training(tmp_path, tiny_model
     assert trainer.completed_iterations == 2 and trainer.early_stop.reason is None
     trainer.callback_handler.on_evaluate(trainer.args, trainer.state, trainer.control, {"eval_success_rate": 1.0})
     assert trainer.early_stop.reason is None, "an evaluation after training does not count either"
+
+
+def test_on_a_cpu_the_fused_head_scores_the_completion_positions_only_with_the_same_log_probs(tiny_model):
+    """TRL scores every position without Triton; `completion_positions_only` scores the labelled ones (the
+    completions), which is what the log-probabilities read: the same values, a fraction of the work."""
+    import trl.trainer.utils as trl_utils
+
+    from hgpo_trl.loss_inputs import completion_positions_only
+
+    model = tiny_model
+    trl_utils.add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs", "entropy"))
+    input_ids = torch.randint(5, 40, (3, 12))
+    labels = torch.full_like(input_ids, -100)
+    labels[:, 9:] = input_ids[:, 9:]  # the last 3 positions are the completion
+    scored, apply = [], trl_utils._ChunkedLogProbFunction.apply
+
+    def counting(hidden, *rest):
+        scored.append(hidden.shape[0])
+        return apply(hidden, *rest)
+
+    trl_utils._ChunkedLogProbFunction.apply = counting
+    try:
+        every = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+        with completion_positions_only():
+            compact = model(input_ids=input_ids, labels=labels, fused_lm_head=True)
+    finally:
+        trl_utils._ChunkedLogProbFunction.apply = apply
+    assert scored == [3 * 11, 3 * 3]  # every shifted position, then the labelled ones
+    assert torch.allclose(every.log_probs, compact.log_probs, atol=1e-6)
+    assert torch.allclose(every.entropy, compact.entropy, atol=1e-6)
+    assert trl_utils._use_triton(torch.device("cpu")) is False  # put back

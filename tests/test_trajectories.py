@@ -52,6 +52,8 @@ def test_records_hold_every_field_of_every_step(tmp_path):
     invalid = [r for r in back if not r["valid"]]
     assert len(invalid) == 1 and invalid[0]["action"] is None and invalid[0]["output"] == ""
     assert all(r["advantage"] == float(a) for r, a in zip(back, advantages, strict=True))
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in back] == [
+        (len(s.completion.prompt_ids), len(s.completion.completion_ids)) for s in rollout.steps]
     # Both rollouts start from the same observation: a level-0 peer at t = 0.
     assert all(0 in r["peer_levels"] for r in back if r["t"] == 0)
 
