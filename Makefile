@@ -24,7 +24,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 # The cores this process may use. Not a bare nproc: it answers OMP_NUM_THREADS, which CI sets to 1.
 CORES := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 
-.PHONY: test test-all demo lint bench system-deps deepspeed-ops clean gpu-wheels
+.PHONY: test test-all demo lint bench system-deps deepspeed-ops clean gpu-wheels rehearse rehearse-all
 
 # One stamp per set of extras: `make test` after `make demo` adds what the tests need. The venv goes first on
 # PATH because fast-downward-textworld's build (alfworld) runs a bare `python build.py`.
@@ -75,6 +75,25 @@ DEMO_THREADS ?= $(shell n=$(CORES); echo $$(( n < 4 ? n : 4 )))
 DEMO_ARGS ?=
 demo: $(VENV)/.installed-$(DEMO_EXTRAS)
 	OMP_NUM_THREADS=$(DEMO_THREADS) $(BIN)/python train.py --config configs/quickstart.yaml $(DEMO_ARGS)
+
+# A GPU config rehearsed on this machine's CPUs under its own accelerate file (docs/rehearsal.md), with the real
+# tokenizer from ../shared (Qwen3 configs: REHEARSE_TOKENIZER=$(SHARED)/qwen3-tokenizer) and its ALFWorld games:
+# `make rehearse CONFIG=configs/webshop/hgpo_k4_qwen2.5-7b.yaml`. rehearse-all: every paper config, one after
+# the other, each one's wall time on its last line (docs/results.md has them).
+SHARED := $(abspath ..)/shared/data
+CONFIG ?= configs/alfworld/hgpo_k4_qwen2.5-1.5b.yaml
+REHEARSE_TOKENIZER ?= $(SHARED)/qwen2.5-tokenizer
+REHEARSE_ARGS ?=
+PAPER_CONFIGS := $(sort $(wildcard configs/alfworld/*_qwen2.5-*.yaml configs/webshop/*_qwen2.5-*.yaml))
+rehearse: $(VENV)/.installed-$(TEST_EXTRAS)
+	ALFWORLD_DATA=$${ALFWORLD_DATA:-$(SHARED)/alfworld} $(BIN)/python train.py --config $(CONFIG) --rehearse \
+		--rehearse_tokenizer $(REHEARSE_TOKENIZER) $(REHEARSE_ARGS)
+
+rehearse-all: $(VENV)/.installed-$(TEST_EXTRAS)
+	@for config in $(PAPER_CONFIGS); do \
+		start=$$(date +%s); $(MAKE) --no-print-directory rehearse CONFIG=$$config || exit 1; \
+		echo "rehearse-all: $$config passed in $$(( $$(date +%s) - start )) s"; \
+	done
 
 bench: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(BIN)/python benchmarks/advantages.py

@@ -28,33 +28,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run, nothing installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# Qwen2.5-1.5B-Instruct's shape: (layers, hidden, heads, kv heads, intermediate, embedding rows).
-QWEN25_1_5B = (28, 1536, 12, 2, 8960, 151936)
-
-
-def qwen2_config(tokenizer, shape=QWEN25_1_5B):
-    from transformers import Qwen2Config
-
-    layers, hidden, heads, kv, intermediate, rows = shape
-    return Qwen2Config(vocab_size=rows, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv, intermediate_size=intermediate, tie_word_embeddings=True,
-                       max_position_embeddings=32768, rope_theta=1e6, bos_token_id=None,
-                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
-
-
-def build_model_folder(tokenizer, folder: Path, shape=QWEN25_1_5B, device: str = "cuda") -> Path:
-    """A randomly initialised model of `shape`, built on `device` (fast) and saved with the tokenizer: vLLM and
-    the KL reference load it from the folder."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(qwen2_config(tokenizer, shape))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    del model
-    return folder
+# The model's shape: a row of hgpo_trl/rehearsal/shapes.py's table.
+MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 
 
 def check(model_folder: Path, tokenizer, *, env_name: str, env_kwargs: dict | None, tasks, iterations: int,
@@ -123,15 +98,18 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from hgpo_trl.envs import make_tasks
+    from hgpo_trl.rehearsal.shapes import SHAPES, build_model_folder
 
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer)
-    print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}; Qwen2.5-1.5B shape, random weights")
+    print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}; {MODEL}'s shape, "
+          "random weights")
     backends = [False] + ([True] if find_spec("vllm") is not None else [])
     if len(backends) == 1:
         print("gpu_check: vllm does not import: transformers generation only")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        folder = build_model_folder(tokenizer, Path(tmp) / "model")
+        # Built on the GPU (fast) and saved: vLLM and the KL reference load it from the folder.
+        folder = build_model_folder(SHAPES[MODEL], tokenizer, Path(tmp) / "model", device="cuda")
         runs = [("keydoor", None, make_tasks("keydoor", "train", num_tasks=64), options.iterations)]
         if options.alfworld and find_spec("alfworld") is not None and Path(options.alfworld).is_dir():
             runs.append(("alfworld", {"data_path": options.alfworld, "cache_dir": f"{tmp}/alfworld"},

@@ -32,38 +32,25 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-# (layers, hidden, heads, kv heads, intermediate, embedding rows, tied) of Qwen2.5-Instruct checkpoints.
-SHAPES = {"0.5B": (24, 896, 14, 2, 4864, 151936, True), "1.5B": (28, 1536, 12, 2, 8960, 151936, True),
-          "7B": (28, 3584, 28, 4, 18944, 152064, False)}
+# The model trained here, then the ones whose needs are printed: rows of hgpo_trl/rehearsal/shapes.py's table.
+MODELS = ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-7B-Instruct")
 GIB = 2**30
-
-
-def parameters(shape: str) -> int:
-    layers, hidden, heads, kv, intermediate, rows, tied = SHAPES[shape]
-    head = hidden // heads
-    attention = hidden * hidden * 2 + 2 * hidden * kv * head + hidden + 2 * kv * head  # q, o, k, v (+ biases)
-    mlp = 3 * hidden * intermediate
-    return rows * hidden * (1 if tied else 2) + layers * (attention + mlp + 2 * hidden) + hidden
 
 
 def run_setting(gradient_checkpointing: bool, options) -> dict:
     """One iteration in this process; its figures."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    from transformers import AutoTokenizer, Qwen2ForCausalLM, TrainerCallback
 
     from hgpo_trl.config import HGPOConfig
     from hgpo_trl.envs import make_tasks
+    from hgpo_trl.rehearsal.shapes import SHAPES, model_config
     from hgpo_trl.trainer import HGPOTrainer
 
-    layers, hidden, heads, kv, intermediate, rows, tied = SHAPES["0.5B"]
     tokenizer = AutoTokenizer.from_pretrained(options.tokenizer)
-    config = Qwen2Config(vocab_size=rows, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, intermediate_size=intermediate, tie_word_embeddings=tied,
-                         max_position_embeddings=32768, rope_theta=1e6, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="float32")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(model_config(SHAPES[MODELS[0]], tokenizer))
     timings = {"logprobs": 0.0, "optimizer": 0.0}
 
     class OptimizerClock(TrainerCallback):
@@ -135,6 +122,8 @@ def main() -> None:
     if options.child:
         print(json.dumps(run_setting(options.child == "gc", options)))
         return
+    from hgpo_trl.rehearsal.shapes import SHAPES
+
     results = []
     for setting in options.settings:
         command = [sys.executable, __file__, "--child", setting, "--samples", str(options.samples),
@@ -144,8 +133,9 @@ def main() -> None:
         if done.returncode:
             raise SystemExit(f"setting {setting} failed:\n{done.stderr[-3000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    n = parameters("0.5B")
-    print(f"Qwen2.5-0.5B shape: {n / 1e6:.0f}M parameters; OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    n = SHAPES[MODELS[0]].parameters
+    print(f"{MODELS[0]}'s shape: {n / 1e6:.0f}M parameters; "
+          f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     for r in results:
         print(f"\ngradient checkpointing {'on' if r['gradient_checkpointing'] else 'off'}: {r['samples']} samples, "
               f"prompt {r['prompt_tokens_mean']:.0f} + completion {r['completion_tokens_mean']:.0f} tokens each")
@@ -155,9 +145,9 @@ def main() -> None:
         print(f"  peak RSS {r['peak_rss_gib']:.1f} GiB, {r['bytes_per_trained_token'] / 2**20:.2f} MiB per trained "
               f"token ({r['trained_tokens']} tokens)")
     print("\nWhat the real shapes need for their weights and optimizer (activations come on top, per trained token):")
-    for shape in SHAPES:
-        p = parameters(shape)
-        print(f"  {shape:>4}: {p / 1e9:.2f}B parameters; fp32 AdamW (weights, gradients, two moments) "
+    for name in MODELS:
+        p = SHAPES[name].parameters
+        print(f"  {name}: {p / 1e9:.2f}B parameters; fp32 AdamW (weights, gradients, two moments) "
               f"{16 * p / GIB:.1f} GiB; bf16 compute over fp32 master (ZeRO: shards of the 16, plus bf16 weights) "
               f"{18 * p / GIB:.1f} GiB in all; the KL reference in bf16 {2 * p / GIB:.1f} GiB")
 

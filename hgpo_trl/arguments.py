@@ -75,6 +75,25 @@ class EnvArguments:
                           "(docs/byo_env.md). Resolved from the working directory and sys.path."})
 
 
+@dataclass
+class RehearsalArguments:
+    """Rehearse this config on CPUs before renting GPUs (docs/rehearsal.md)."""
+
+    rehearse: bool = field(
+        default=False, metadata={"help": "Rehearse this config on this machine's CPUs: its accelerate file "
+                                         "(accelerate_config), processes and machines, a tiny model of the real "
+                                         "one's architecture with its real tokenizer, 3 iterations with a "
+                                         "checkpoint, a resume and an evaluation; prints a report and the real "
+                                         "run's projected memory and time, and writes rehearsal.json into "
+                                         "output_dir + '-rehearsal'. Launches its own processes: run it with "
+                                         "python, not accelerate launch."})
+    rehearse_tokenizer: str | None = field(
+        default=None, metadata={"help": "--rehearse: the real model's tokenizer folder (default: the Hugging Face "
+                                        "cache's, offline, for model_name_or_path)."})
+    gpu_memory_gib: float = field(
+        default=80.0, metadata={"help": "--rehearse: the memory of one GPU of the real run, in GiB."})
+
+
 class ConfigError(ValueError):
     """A configuration a run cannot start with; the message names the field and what was expected."""
 
@@ -139,7 +158,7 @@ def help_groups(sections: tuple[type, ...]) -> list[str]:
 def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, ModelConfig]:
     """Parse YAML + overrides; every problem is a ConfigError that names the field, raised before any model
     is loaded."""
-    env_args, args, model_args = parse_sections(argv, (), "train.py")
+    _, env_args, args, model_args = parse_sections(argv, (RehearsalArguments,), "train.py")
     check_model_path(model_args.model_name_or_path)
     return env_args, args, model_args
 

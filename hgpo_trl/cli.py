@@ -141,6 +141,9 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_rehearsal(argv):
+        rehearse_main(argv)
     with entry_point_scope():
         try:
             env_args, args, model_args = parse(argv)
@@ -160,3 +163,35 @@ def main(argv: list[str] | None = None) -> None:
 
 def rounded(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def wants_rehearsal(argv: list[str]) -> bool:
+    """Whether the command line says --rehearse (alone, or with a true value)."""
+    for i, arg in enumerate(argv):
+        if arg.split("=")[0] == "--rehearse":
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "true")
+            return value.lower() not in ("false", "0", "no")
+    return False
+
+
+def rehearse_main(argv: list[str]) -> None:
+    """`--rehearse`: the rehearsal's report; exit 0 when every check passed, 1 when one failed or a launch
+    did, 2 on a configuration error."""
+    from hgpo_trl.rehearsal.launch import RehearsalError
+    from hgpo_trl.rehearsal.rehearse import rehearse
+
+    with entry_point_scope():
+        try:
+            report = rehearse(argv)
+        except ConfigError as err:
+            print(f"train.py: configuration error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except RehearsalError as err:
+            print(f"train.py --rehearse: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
+    raise SystemExit(0 if all(report["checks"].values()) else 1)
+
+
+if __name__ == "__main__":  # the rehearsal's launches run `python -m hgpo_trl.cli`
+    main()
+

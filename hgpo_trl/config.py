@@ -177,6 +177,12 @@ class HGPOConfig(GRPOConfig):
                                          "evaluation; the full dicts always go to report_to and "
                                          "trainer_state.json)."})
 
+    accelerate_config: str | None = field(
+        default=None, metadata={"help": "The accelerate config file this run is launched with (accelerate launch "
+                                        "--config_file FILE): what --rehearse rehearses (its processes, machines, "
+                                        "ZeRO stage, offloads). The paper configs name theirs; training itself "
+                                        "follows the launcher."})
+
     # Reporting: TensorBoard by default (a dependency), unlike TrainingArguments' "none". The annotation is
     # TrainingArguments' own: HfArgumentParser reads a `None | str | list[str]` union only in this order.
     report_to: None | str | list[str] = field(  # noqa: RUF036
@@ -189,6 +195,7 @@ class HGPOConfig(GRPOConfig):
         self._check_fields()
         if self.bf16 is None and not self.fp16:
             self.bf16 = cpu_precision_default(self.use_cpu)
+        self._check_launch_precision()
         self._set_iteration_cadence()
         processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked against TRL's below
         if self.step_batching == "all_steps":
@@ -212,8 +219,11 @@ class HGPOConfig(GRPOConfig):
                              "eval_steps)")
         if self.step_batching == "all_steps":
             if self.world_size != processes:
-                raise ValueError(f"HGPOConfig: WORLD_SIZE says {processes} processes but the Trainer sees "
-                                 f"{self.world_size}; launch with accelerate launch or torchrun")
+                fix = ("on a machine without a GPU set use_cpu: true (or rehearse a GPU config: --rehearse)"
+                       if not torch.cuda.is_available() and not self.use_cpu else
+                       "launch with accelerate launch or torchrun")
+                raise ValueError(f"HGPOConfig: the launcher started {processes} processes (WORLD_SIZE) but the "
+                                 f"Trainer sees {self.world_size}: {fix}")
             # An upper bound (the busiest process plays every episode to max_env_steps); the iterations stop the run.
             micro_batches = math.ceil(self.tasks_per_device * self.num_generations * self.max_env_steps
                                       / self.per_device_train_batch_size)
@@ -374,6 +384,18 @@ class HGPOConfig(GRPOConfig):
                 f"HGPOConfig: hierarchy_depth ({self.hierarchy_depth}) > history_length ({self.history_length}): "
                 "HGPO's deepest levels key on observations that the prompts do not show")
 
+    def _check_launch_precision(self) -> None:
+        """Under DeepSpeed the launcher's mixed precision and this config's must agree: say so in one line, not
+        in transformers' "ds bf16.enabled=True vs hf bf16|bf16_full_eval=False" traceback on every rank."""
+        launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and launched in ("no", "bf16", "fp16") and (
+                (launched == "bf16") != bool(self.bf16) or (launched == "fp16") != bool(self.fp16)):
+            raise ValueError(f"HGPOConfig: the accelerate file's mixed_precision: {launched} and this config's bf16: "
+                             f"{bool(self.bf16)}, fp16: {bool(self.fp16)} disagree, and DeepSpeed needs them equal: "
+                             f"launch with --mixed_precision {'bf16' if self.bf16 else 'fp16' if self.fp16 else 'no'}"
+                             " or set bf16 / fp16 to match (a CPU has no bf16 units: --rehearse runs a GPU config "
+                             "there in float32)")
+
     def _check_device(self) -> None:
         """A GPU config on a machine without one stops here, in one line naming every field to change (rather
         than TrainingArguments' "Your setup doesn't support bf16/gpu", then vLLM's own failure)."""
@@ -383,8 +405,9 @@ class HGPOConfig(GRPOConfig):
             ("use_vllm", self.use_vllm and not torch.cuda.is_available()),
             ("bf16", self.bf16 is True and not self.use_cpu and not is_torch_bf16_gpu_available())) if wanted]
         if wants_gpu:
-            raise ValueError(f"HGPOConfig: this config needs a GPU and no GPU is visible: start from a CPU recipe "
-                             f"(configs/{{alfworld,webshop}}/tiny_cpu.yaml), or set {', '.join(wants_gpu)} (e.g. "
+            raise ValueError(f"HGPOConfig: this config needs a GPU and no GPU is visible: rehearse it on this CPU "
+                             "with --rehearse (docs/rehearsal.md: a tiny model, its processes, minutes), start "
+                             f"from a CPU recipe (configs/{{alfworld,webshop}}/tiny_cpu.yaml), or set {', '.join(wants_gpu)} (e.g. "
                              f"--{' false --'.join(w.split(':')[0] for w in wants_gpu)} false) to run this one on "
                              "the CPU anyway (a paper-sized run takes days there)")
 

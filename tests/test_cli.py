@@ -312,7 +312,9 @@ def test_help_lists_config_and_groups_the_fields_ours_first(capsys):
     text = capsys.readouterr().out
     assert text.startswith("usage: python train.py [--config FILE.yaml] [--FIELD VALUE ...]")
     titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert titles == ["options", "config file", "EnvArguments: Tasks, the offline tiny model and the supervised warm start",
+    assert titles == ["options", "config file",
+                      "RehearsalArguments: Rehearse this config on CPUs before renting GPUs (docs/rehearsal.md)",
+                      "EnvArguments: Tasks, the offline tiny model and the supervised warm start",
                       "HGPOConfig: environment", "HGPOConfig: iterations, step batches, cadence",
                       "HGPOConfig: prompts and actions", "HGPOConfig: advantages",
                       "HGPOConfig: diagnostics and trajectory dumps", "HGPOConfig: evaluation",

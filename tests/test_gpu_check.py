@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2ForCausalLM
 
+from hgpo_trl.rehearsal.shapes import SHAPES, build_model_folder, model_config, tiny_twin
+
 ROOT = Path(__file__).resolve().parents[1]
 QWEN25 = ROOT.parent / "shared" / "data" / "qwen2.5-tokenizer"
 pytestmark = pytest.mark.skipif(not QWEN25.is_dir(), reason=f"the offline Qwen2.5 tokenizer is read from {QWEN25}")
@@ -19,7 +21,7 @@ import gpu_check  # noqa: E402
 def test_the_model_is_qwen25_1_5b_shaped():
     tokenizer = AutoTokenizer.from_pretrained(QWEN25)
     with torch.device("meta"):  # the shape without a 1.5B initialisation
-        model = Qwen2ForCausalLM(gpu_check.qwen2_config(tokenizer))
+        model = Qwen2ForCausalLM(model_config(SHAPES[gpu_check.MODEL], tokenizer))
     assert 1.50e9 < sum(p.numel() for p in model.parameters()) < 1.56e9  # Qwen2.5-1.5B: 1.54B
     assert model.config.num_key_value_heads == 2 and model.config.tie_word_embeddings
 
@@ -29,7 +31,8 @@ def test_the_check_runs_on_a_scaled_down_model_on_the_cpu(tmp_path):
     from hgpo_trl.envs import make_tasks
 
     tokenizer = AutoTokenizer.from_pretrained(QWEN25)
-    folder = gpu_check.build_model_folder(tokenizer, tmp_path / "model", shape=(1, 16, 2, 1, 32, 151936), device="cpu")
+    shape = tiny_twin(SHAPES[gpu_check.MODEL], hidden=16, layers=1, heads=2)
+    folder = build_model_folder(shape, tokenizer, tmp_path / "model")
     result = gpu_check.check(folder, tokenizer, env_name="keydoor", env_kwargs=None,
                              tasks=make_tasks("keydoor", "train", num_tasks=8), iterations=2, completion_tokens=8,
                              env_steps=2, use_vllm=False, device="cpu")

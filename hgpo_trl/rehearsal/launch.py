@@ -1,0 +1,162 @@
+"""The rehearsal's launches: its accelerate file (the user's, on CPUs in float32), its model (a tiny twin of the
+real one with the real tokenizer), and two `accelerate launch` runs of `train.py`: iterations 1-2 with a
+checkpoint, then iteration 3 resumed from it. A file of several machines is launched as that many machine ranks
+on this host."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hgpo_trl.arguments import ConfigError
+
+MARKER = "REHEARSAL"  # a folder holding it is a rehearsal's, which a new rehearsal may clear
+
+
+@dataclass(frozen=True)
+class LaunchFile:
+    """The accelerate file's settings that the rehearsal keeps and reports."""
+
+    path: str | None
+    settings: dict[str, Any]
+
+    @property
+    def machines(self) -> int:
+        return int(self.settings.get("num_machines", 1))
+
+    @property
+    def processes(self) -> int:  # over all machines, as accelerate counts num_processes
+        return int(self.settings.get("num_processes", 1))
+
+    @property
+    def deepspeed(self) -> dict[str, Any]:
+        return self.settings.get("deepspeed_config") or {} if self.settings.get("distributed_type") == "DEEPSPEED" \
+            else {}
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.deepspeed.get("zero_stage", 0)) if self.deepspeed else 0
+
+    def offloads(self, what: str) -> bool:
+        return str(self.deepspeed.get(f"offload_{what}_device", "none")).lower() not in ("none", "")
+
+    @property
+    def bf16(self) -> bool:
+        return str(self.settings.get("mixed_precision", "no")) == "bf16"
+
+
+def read_launch_file(path: str | None, config_file: str | None) -> LaunchFile:
+    """The accelerate file `path` (HGPOConfig.accelerate_config), found from the working directory or the config
+    file's folder and those above it; None: one process, no distribution."""
+    if path is None:
+        return LaunchFile(None, {"distributed_type": "NO", "num_processes": 1, "num_machines": 1})
+    candidates = [Path(path)]
+    if config_file and not Path(path).is_absolute():
+        candidates += [folder / path for folder in Path(config_file).resolve().parents]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ConfigError(f"HGPOConfig.accelerate_config: {path} does not exist (looked from the working directory "
+                          "and from the config file's folder up)")
+    try:
+        settings = yaml.safe_load(found.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"HGPOConfig.accelerate_config: cannot read {found}: {str(err).splitlines()[0]}") from None
+    if not isinstance(settings, dict) or "num_processes" not in settings:
+        raise ConfigError(f"HGPOConfig.accelerate_config: {found} is not an accelerate config file (no "
+                          "num_processes; `accelerate config` writes one)")
+    if settings.get("distributed_type") in ("FSDP", "MEGATRON_LM", "XLA", "TPU"):
+        raise ConfigError(f"HGPOConfig.accelerate_config: {found} uses distributed_type "
+                          f"{settings['distributed_type']}, which the rehearsal does not run (it runs NO, MULTI_GPU "
+                          "and DEEPSPEED files)")
+    return LaunchFile(str(found), settings)
+
+
+def cpu_launch_file(launch: LaunchFile, port: int) -> dict[str, Any]:
+    """The user's accelerate settings on CPUs: float32 (`mixed_precision: no`), `use_cpu`, the same processes,
+    machines, ZeRO stage and offloads; on this host (every machine rank at 127.0.0.1)."""
+    settings = {k: v for k, v in launch.settings.items() if k not in ("gpu_ids", "downcast_bf16")}
+    settings.update(mixed_precision="no", use_cpu=True, main_process_port=port)
+    if settings.get("distributed_type", "NO") == "NO" and launch.processes > 1:
+        settings["distributed_type"] = "MULTI_GPU"
+    if launch.machines > 1:
+        settings.update(main_process_ip="127.0.0.1", same_network=True, rdzv_backend="static")
+    return settings
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_folder(folder: Path) -> None:
+    """An empty rehearsal folder: one of an earlier rehearsal is cleared; anything else is refused (nothing a
+    run wrote is deleted)."""
+    if folder.exists() and any(folder.iterdir()):
+        if not (folder / MARKER).is_file():
+            raise ConfigError(f"--rehearse writes into {folder}, which exists and is not a rehearsal's: move it, or "
+                              "set output_dir to another folder")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / MARKER).write_text("A rehearsal's folder (python train.py --rehearse): a new rehearsal clears it.\n")
+
+
+def build_model(shape, tokenizer, folder: Path) -> Path:
+    """The rehearsal's model: a tiny twin of `shape` (same architecture, embedding rows, tying and query
+    groups), random weights, saved with the real tokenizer."""
+    from hgpo_trl.rehearsal.shapes import build_model_folder, tiny_twin
+    from hgpo_trl.reporting import transformers_bars_off
+
+    if len(tokenizer) > shape.vocab_rows:
+        raise ConfigError(f"--rehearse_tokenizer: its {len(tokenizer)} tokens do not fit the model's "
+                          f"{shape.vocab_rows} embedding rows: is it the tokenizer of this model?")
+    with transformers_bars_off():
+        return build_model_folder(tiny_twin(shape), tokenizer, folder)
+
+
+def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout: float | None = None) -> float:
+    """Run `train.py argv` under `launch_file`, one `accelerate launch` per machine rank, all on this host;
+    wall seconds. A failure raises RehearsalError with the log's tail."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "DS_ACCELERATOR": "cpu", "HGPO_TRL_REHEARSAL": "1"}
+    start = time.time()
+    procs = []
+    for rank in range(machines):
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
+                   "--machine_rank", str(rank), "-m", "hgpo_trl.cli", *argv]
+        out = log.with_name(f"{log.stem}{'' if machines == 1 else f'_machine{rank}'}.log")
+        procs.append((subprocess.Popen(command, env=env, stdout=out.open("w"), stderr=subprocess.STDOUT), out))
+    failed = None
+    for proc, out in procs:
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "timeout"
+        if code != 0 and failed is None:
+            failed = (code, out)
+    if failed is not None:
+        for proc, _ in procs:
+            proc.kill()
+        code, out = failed
+        lines = out.read_text(errors="replace").splitlines()
+        # The first error a process reported, before torch elastic's summary of the failed ranks.
+        cause = next((line for line in lines if ("error" in line.lower() or "Traceback" in line)
+                      and "ChildFailedError" not in line and "elastic" not in line), "")
+        tail = "\n".join(lines[-15:])
+        raise RehearsalError(f"the rehearsal's launch failed (exit {code}): {cause.strip() or 'see its log'}\n"
+                             f"(the log: {out}; its end:)\n{tail}")
+    return time.time() - start
+
+
+class RehearsalError(RuntimeError):
+    """A rehearsal launch failed: what a real run of this config would have met."""

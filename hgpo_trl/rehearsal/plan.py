@@ -1,0 +1,130 @@
+"""A config's rehearsal: the fields that change so that the run fits a CPU in minutes, and nothing else.
+
+Kept: the environment and its data, the estimator and its options, `history_length`, `num_generations`, the
+prompt and action settings, `step_batching` and the shape of its batches, `beta`, LoRA, gradient checkpointing,
+the accelerate file's processes, ZeRO stage and offloads, and the cadences. Replaced: the model (a tiny one of the
+same architecture and embedding rows, with the real tokenizer: `launch.py` builds it), vLLM (transformers
+generation), bf16 (float32) and the counts. Under `step_batching: all_steps` the micro- and mini-batches are scaled
+so that an iteration still makes at least 2 optimizer steps and pads a micro-batch: an iteration collects at
+most S = 1 task x num_generations x `ENV_STEPS` steps per process: `micro_batch_structure` picks the largest
+micro-batch up to the config's, and the smallest accumulation (2 or more where the config accumulates), that make at least 2
+optimizer steps and pad a micro-batch: a short last one (filled or padded) first, else a window's padding alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hgpo_trl.config import HGPOConfig
+
+ENV_STEPS = 3  # per episode
+COMPLETION_TOKENS = 16  # a tiny random model never ends a completion: every one runs to the cap
+ITERATIONS = 3  # 1-2 in the first launch (a checkpoint at 2), 3 in the second, resumed from it
+FIRST_LAUNCH_ITERATIONS = 2
+
+
+@dataclass(frozen=True)
+class Change:
+    """One field the rehearsal sets, and why."""
+
+    name: str
+    before: Any
+    after: Any
+    why: str
+
+
+def pads(max_steps: int, micro: int, accumulation: int) -> bool:
+    """Whether an iteration of `max_steps` steps leaves a micro-batch short or a window with padding alone."""
+    return bool(max_steps % micro or math.ceil(max_steps / micro) % accumulation)
+
+
+def micro_batch_structure(max_steps: int, micro: int, accumulation: int) -> tuple[int, int]:
+    """(micro-batch, accumulation) for an iteration of at most `max_steps` steps per process: at least 2
+    optimizer steps; a padded micro-batch, a short one first (filled or padded), else one of padding alone;
+    accumulating (2 micro-batches or more) when the config does; the largest micro-batch up to the config's and
+    the smallest accumulation up to the config's that do."""
+    options = [(m, a) for m in range(min(micro, max_steps), 0, -1) for a in range(1, max(accumulation, 1) + 1)
+               if math.ceil(math.ceil(max_steps / m) / a) >= 2]
+    return max(options, key=lambda o: (pads(max_steps, *o), max_steps % o[0] != 0, o[1] >= min(accumulation, 2),
+                                       o[0], -o[1]), default=(1, 1))
+
+
+def rehearsal_changes(args: HGPOConfig, processes: int, cores: int, *, num_eval_tasks: int | None = None,
+                      warmstart_steps: int = 0) -> list[Change]:
+    """The fields a rehearsal of `args` (meant for `processes` processes) sets on a host of `cores` CPU cores."""
+    changes = [
+        Change("use_vllm", args.use_vllm, False, "no vLLM on a CPU: transformers generation"),
+        Change("bf16", args.bf16, False, "no bf16 matrix units on a CPU: float32"),
+        Change("use_cpu", args.use_cpu, True, "train on the CPU"),
+        Change("tasks_per_device", args.tasks_per_device, 1, "one task group per process"),
+        Change("max_env_steps", args.max_env_steps, min(args.max_env_steps, ENV_STEPS), "short episodes"),
+        Change("max_completion_length", args.max_completion_length,
+               min(args.max_completion_length or COMPLETION_TOKENS, COMPLETION_TOKENS),
+               "a random model runs every completion to the cap"),
+        Change("train_iterations", args.train_iterations, FIRST_LAUNCH_ITERATIONS,
+               f"iterations 1-{FIRST_LAUNCH_ITERATIONS}, then a resumed launch for iteration {ITERATIONS}"),
+        Change("save_every_iterations", args.save_every_iterations, FIRST_LAUNCH_ITERATIONS,
+               "a checkpoint at the end of the first launch, to resume from"),
+        Change("trajectory_dump_every", args.trajectory_dump_every, 1, "prompt and completion lengths"),
+        Change("push_to_hub", args.push_to_hub, False, "a rehearsal uploads nothing"),
+    ]
+    evaluates = args.eval_every_iterations is not None or str(getattr(args.eval_strategy, "value",
+                                                                      args.eval_strategy)) != "no"
+    if evaluates:
+        changes.append(Change("eval_every_iterations", args.eval_every_iterations, FIRST_LAUNCH_ITERATIONS,
+                              "an evaluation at the cadence, before the checkpoint"))
+    if num_eval_tasks is None or num_eval_tasks > processes:
+        changes.append(Change("num_eval_tasks", num_eval_tasks, processes, "one validation task per process"))
+    if warmstart_steps > 2:
+        changes.append(Change("warmstart_steps", warmstart_steps, 2, "a warm start, shortened"))
+    if args.env_workers:  # 0 / None: in-process, as the config says
+        workers = max(1, cores // processes)
+        if workers < args.env_workers:
+            changes.append(Change("env_workers", args.env_workers, workers,
+                                  f"{cores} cores for {processes} processes"))
+    reports = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+    if any(r not in ("none", "tensorboard", None) for r in reports):
+        changes.append(Change("report_to", args.report_to, "tensorboard", "offline: no tracking service"))
+    steps = min(args.max_env_steps, ENV_STEPS) * args.num_generations
+    if args.step_batching == "all_steps":
+        accumulation = (args.mini_batch_size // (args.per_device_train_batch_size * processes)
+                        if args.mini_batch_size else args.gradient_accumulation_steps)
+        micro, accumulation = micro_batch_structure(steps, args.per_device_train_batch_size, accumulation)
+        why = (f"<= {steps} steps per process in micro-batches of {micro}, {accumulation} per optimizer step: "
+               f"{math.ceil(math.ceil(steps / micro) / accumulation)} optimizer steps, a short last micro-batch")
+        changes += [Change("per_device_train_batch_size", args.per_device_train_batch_size, micro, why),
+                    Change("gradient_accumulation_steps", args.gradient_accumulation_steps, accumulation, why)]
+        if args.mini_batch_size:
+            changes.append(Change("mini_batch_size", args.mini_batch_size, micro * accumulation * processes, why))
+    else:  # fixed_budget: two optimizer steps of one micro-batch each, a budget that num_generations divides
+        micro = min(args.per_device_train_batch_size, 4)
+        per_generation = math.lcm(2, args.num_generations // math.gcd(micro * processes, args.num_generations))
+        why = f"2 optimizer steps of {micro} samples per process"
+        changes += [Change("per_device_train_batch_size", args.per_device_train_batch_size, micro, why),
+                    Change("gradient_accumulation_steps", args.gradient_accumulation_steps, per_generation // 2, why),
+                    Change("steps_per_generation", args.steps_per_generation, per_generation, why)]
+    return [c for c in changes if c.before != c.after]
+
+
+def rehearsal_config(args: HGPOConfig, processes: int = 1, cores: int = 2) -> HGPOConfig:
+    """`args`' rehearsal (its HGPOConfig fields; the model, tokenizer and accelerate file are the launcher's):
+    for a Python session that holds the config object."""
+    changes = {c.name: c.after for c in rehearsal_changes(args, processes, cores)
+               if c.name in {f.name for f in dataclasses.fields(HGPOConfig)}}
+    # Derived by __post_init__ from the fields above: derived again.
+    derived = {"max_steps": -1, "generation_batch_size": None, "save_strategy": "no", "eval_strategy": "no"}
+    if "steps_per_generation" not in changes:
+        derived["steps_per_generation"] = None
+    return dataclasses.replace(args, **derived, **changes)
+
+
+def as_options(changes: list[Change]) -> list[str]:
+    """The command-line options that set `changes`."""
+    options: list[str] = []
+    for change in changes:
+        value = change.after
+        options += [f"--{change.name}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return options

@@ -1,0 +1,216 @@
+"""What the real run needs, projected from the rehearsal's measurements and the real model's shape: GPU memory per
+device by part, host memory where DeepSpeed offloads, and a lower bound on an iteration's GPU time.
+
+An estimate with stated assumptions, not a measurement (no GPU ever ran this). Per parameter (N of them; N_t
+trainable, all of them without LoRA), on each of the P data-parallel processes:
+
+| part | plain DDP | DeepSpeed ZeRO-1 | ZeRO-2 | ZeRO-3 |
+|---|---|---|---|---|
+| weights | `dtype` bytes, + 2 for bf16 autocast's cast copies | 2 (bf16; 4 in fp32) | same | same / P |
+| gradients | `dtype` bytes x N_t | 2 x N_t | 2 x N_t / P | 2 x N_t / P |
+| optimizer | 8 x N_t (AdamW moments) | 12 x N_t / P (+ fp32 master) | same | same |
+| KL reference | `dtype` bytes (none with LoRA) | 2 (bf16) | 2 | 2 / P |
+
+`offload_optimizer_device: cpu` moves the optimizer states and an fp32 copy of the gradients (4 x N_t / P) to host
+memory; `offload_param_device: cpu` (ZeRO-3) the weight and reference partitions, leaving one gathered layer on
+the GPU. Colocated vLLM holds `vllm_gpu_memory_utilization` of the GPU (weights and KV cache) unless
+`vllm_enable_sleep_mode` frees it while training. Activations are those of one micro-batch (only one is alive),
+padded to its longest row: per token, the structural count of `layer_elements_per_token` times a factor
+calibrated on `benchmarks/scale.py`'s measurement (Qwen2.5-0.5B shape, float32, 4 rows of 439 + 64 tokens,
+checkpointing off; docs/results.md); TRL's fused LM head adds its tile buffers, never the whole logits. A CUDA
+context and allocator reserve of `RUNTIME_GIB` comes on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from hgpo_trl.rehearsal.shapes import SHAPES, ModelShape
+
+GIB = 2**30
+RUNTIME_GIB = 2.0  # CUDA context, NCCL buffers, the caching allocator's slack
+# TRL's fused LM head (trl.kernels.chunked_logprob) never holds the logits: it projects at most 4,096 tokens at a
+# time onto 32,768-row tiles of the vocabulary; one tile buffer forward and one backward.
+HEAD_TOKENS, HEAD_ROWS = 4096, 32768
+# benchmarks/scale.py, 2026-12-01 (docs/results.md): peak RSS minus the ~10 GiB of weights, gradients, AdamW
+# states and the float32 reference, at Qwen2.5-0.5B's shape in float32, one micro-batch of 4 rows of 439 + 64
+# tokens alive, gradient checkpointing off (on, the 2.4 GiB measured are mostly fixed-size temporaries at so
+# small a micro-batch: not used).
+SCALE_MEASURED = {"shape": "Qwen/Qwen2.5-0.5B-Instruct", "rows": 4, "tokens": 439 + 64, "activations_gib": 7.6}
+SUSTAINED_TFLOPS = 400.0  # per GPU: ~40 % of an H100's dense bf16 peak (989 TFLOP/s), a good sustained rate
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the accelerate file puts the training state: DeepSpeed's ZeRO stage (0: plain DDP) and offloads."""
+
+    processes: int
+    zero_stage: int = 0
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    bf16: bool = True  # mixed precision bf16 (bf16 compute over `dtype` master weights)
+    processes_per_machine: int | None = None  # None: all on one machine
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The run's sizes that memory and time follow."""
+
+    micro_batch: int  # per_device_train_batch_size
+    prompt_tokens: float  # per row (a micro-batch is padded to its longest row)
+    completion_tokens: float
+    gradient_checkpointing: bool = True
+    reference: bool = True  # beta != 0 (and no LoRA, whose reference is the base with the adapter off)
+    trainable: int | None = None  # None: every parameter (no LoRA)
+    weight_bytes: int = 4  # `dtype`: 4 float32, 2 bfloat16
+    vllm_share: float = 0.0  # vllm_gpu_memory_utilization held through training (0: no vLLM, or sleep mode)
+
+
+@dataclass
+class MemoryProjection:
+    gpu: dict[str, float]  # GiB per device, by part
+    host: dict[str, float]  # GiB per machine, by part
+    gpu_gib: float  # the device's size
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def gpu_total(self) -> float:
+        return sum(self.gpu.values())
+
+    @property
+    def host_total(self) -> float:
+        return sum(self.host.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_total <= self.gpu_gib
+
+
+def layer_elements_per_token(shape: ModelShape, gradient_checkpointing: bool) -> int:
+    """Activation elements a token keeps for backward: with checkpointing each layer's input plus one layer
+    recomputed; without, every layer's (MLP: gate, up, activation, product; attention: norms, q/k/v, output,
+    residuals)."""
+    per_layer = 4 * shape.intermediate + 6 * shape.hidden + 2 * shape.heads * shape.head_dim \
+        + 2 * shape.kv_heads * shape.head_dim
+    return shape.layers * shape.hidden + per_layer if gradient_checkpointing else shape.layers * per_layer
+
+
+def head_bytes(scored_tokens: float, element: int) -> float:
+    """The fused LM head's tile buffers for `scored_tokens` positions."""
+    return 2 * min(scored_tokens, HEAD_TOKENS) * HEAD_ROWS * element
+
+
+def calibration() -> float:
+    """Measured / structural activation bytes at scale.py's setting (CPU: every position scored, float32)."""
+    shape, tokens = SHAPES[SCALE_MEASURED["shape"]], SCALE_MEASURED["rows"] * SCALE_MEASURED["tokens"]
+    measured = SCALE_MEASURED["activations_gib"] * GIB - head_bytes(tokens, 4)
+    return measured / (tokens * layer_elements_per_token(shape, gradient_checkpointing=False) * 4)
+
+
+def activation_gib(shape: ModelShape, work: Workload, bf16: bool) -> tuple[float, float]:
+    """(layers, LM head) GiB of one micro-batch; on a GPU the head scores the completion positions only."""
+    element = 2 if bf16 else 4
+    tokens = work.micro_batch * (work.prompt_tokens + work.completion_tokens)
+    layers = tokens * layer_elements_per_token(shape, work.gradient_checkpointing) * element * calibration()
+    return layers / GIB, head_bytes(work.micro_batch * work.completion_tokens, element) / GIB
+
+
+def lora_parameters(shape: ModelShape, rank: int, targets: list[str] | str | None) -> int:
+    """LoRA's trainable parameters: rank x (inputs + outputs) of each targeted projection of every layer (PEFT's
+    default for Qwen: q_proj and v_proj; "all-linear": all seven)."""
+    q, kv, h, i = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden, shape.intermediate
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + i,
+             "up_proj": h + i, "down_proj": i + h}
+    names = list(sizes) if targets in ("all-linear", ["all-linear"]) else (targets or ["q_proj", "v_proj"])
+    return shape.layers * rank * sum(sizes[n] for n in names if n in sizes)
+
+
+def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib: float = 80.0) -> MemoryProjection:
+    """GPU memory per device and host memory per machine of the real run (see the module docstring)."""
+    n, p = shape.parameters, place.processes
+    trainable = n if work.trainable is None else work.trainable
+    stage, deepspeed = place.zero_stage, place.zero_stage > 0
+    compute = 2 if deepspeed and place.bf16 else work.weight_bytes  # DeepSpeed holds bf16 weights
+    weights = n * compute + (2 * n if place.bf16 and not deepspeed and work.weight_bytes == 4 else 0)
+    grads = trainable * compute
+    optimizer = trainable * (12 if deepspeed and place.bf16 else 8)
+    reference = n * compute if work.reference else 0
+    host: dict[str, float] = {}
+    per_machine = place.processes_per_machine or p
+    if stage >= 1:
+        optimizer /= p
+    if stage >= 2:
+        grads /= p
+    if stage == 3:
+        weights, reference = weights / p, reference / p
+    if place.offload_optimizer:
+        host["optimizer states"] = optimizer * per_machine / GIB
+        host["gradients (fp32)"] = 4 * trainable / p * per_machine / GIB
+        optimizer = 0
+    if place.offload_param and stage == 3:
+        host["weights"] = weights * per_machine / GIB
+        host["KL reference"] = reference * per_machine / GIB
+        layer = (n - shape.vocab_rows * shape.hidden * (1 if shape.tied else 2)) / shape.layers
+        weights, reference = 2 * layer * compute, 0  # the gathered layer (and its prefetch)
+    layers, head = activation_gib(shape, work, place.bf16)
+    gpu = {"weights": weights / GIB, "gradients": grads / GIB, "optimizer states": optimizer / GIB,
+           "KL reference": reference / GIB, "vLLM": work.vllm_share * gpu_gib, "activations (layers)": layers,
+           "activations (LM head)": head, "runtime": RUNTIME_GIB}
+    assumptions = [
+        f"{n / 1e9:.2f}B parameters ({shape.source})" + (f", {trainable / 1e6:.1f}M trainable" if trainable != n else ""),
+        f"{'DeepSpeed ZeRO-' + str(stage) if deepspeed else 'plain DDP'} over {p} GPUs"
+        + (", optimizer offloaded to CPU" if place.offload_optimizer else "")
+        + (", parameters offloaded to CPU" if place.offload_param and stage == 3 else ""),
+        f"one micro-batch of {work.micro_batch} rows x ({work.prompt_tokens:.0f} prompt + "
+        f"{work.completion_tokens:.0f} completion tokens), gradient checkpointing "
+        f"{'on' if work.gradient_checkpointing else 'off'}, layer activations x{calibration():.2f} "
+        "(calibrated on benchmarks/scale.py)",
+    ]
+    return MemoryProjection(gpu=gpu, host=host, gpu_gib=gpu_gib, assumptions=assumptions)
+
+
+def verdict(projection: MemoryProjection, shape: ModelShape, place: Placement, work: Workload) -> str:
+    """One line: fits, or by how much it does not and which field to change."""
+    total, size = projection.gpu_total, projection.gpu_gib
+    if projection.fits:
+        return f"fits: {total:.1f} of {size:.0f} GiB per GPU ({size - total:.1f} GiB spare)"
+    over = total - size
+    fixes = []
+    for rows in range(work.micro_batch - 1, 0, -1):
+        if project_memory(shape, place, dataclasses.replace(work, micro_batch=rows), size).fits:
+            fixes.append(f"per_device_train_batch_size {rows}")
+            break
+    if work.vllm_share:
+        share = math.floor((work.vllm_share - over / size) * 100) / 100
+        if share >= 0.1:
+            fixes.append(f"vllm_gpu_memory_utilization {share:.2f}")
+        fixes.append("vllm_enable_sleep_mode: true")
+    if not work.gradient_checkpointing:
+        fixes.append("gradient_checkpointing: true")
+    hint = f"; set {' or '.join(fixes)}" if fixes else "; use more GPUs or a higher ZeRO stage with offload"
+    return f"does not fit: {total:.1f} of {size:.0f} GiB per GPU, {over:.1f} GiB over{hint}"
+
+
+@dataclass(frozen=True)
+class IterationLoad:
+    """What one iteration of the real run does, over all processes."""
+
+    step_samples: float
+    optimizer_steps: float
+    generated_tokens: float  # completions (decode)
+    prompt_tokens: float  # prompts (prefill)
+    scored_tokens: float  # old / reference log-probability passes
+    trained_tokens: float
+
+
+def gpu_seconds_bound(shape: ModelShape, load: IterationLoad, gpus: int, tflops: float = SUSTAINED_TFLOPS,
+                      gradient_checkpointing: bool = True) -> float:
+    """A lower bound on an iteration's GPU time: ~2 x N FLOPs a generated, prefilled or scored token, 6 x N a
+    trained one (8 x N with checkpointing's recomputed forward), at `tflops` sustained per GPU. A bound, not a
+    forecast: decoding is memory-bound, environments and the weight sync to vLLM come on top."""
+    n = shape.parameters
+    flops = 2 * n * (load.generated_tokens + load.prompt_tokens + load.scored_tokens) \
+        + (8 if gradient_checkpointing else 6) * n * load.trained_tokens
+    return flops / (gpus * tflops * 1e12)

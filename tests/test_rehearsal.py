@@ -1,0 +1,249 @@
+"""The rehearsal of a GPU config on CPUs (issue 32): its plan, its projection by hand, its messages, and
+2-process rehearsals of paper configs under their own accelerate files."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hgpo_trl.arguments import ConfigError, parse_sections
+from hgpo_trl.cli import main, wants_rehearsal
+from hgpo_trl.config import HGPOConfig
+from hgpo_trl.rehearsal.launch import cpu_launch_file, read_launch_file
+from hgpo_trl.rehearsal.plan import micro_batch_structure, pads, rehearsal_changes, rehearsal_config
+from hgpo_trl.rehearsal.projection import (
+    GIB,
+    IterationLoad,
+    Placement,
+    Workload,
+    calibration,
+    gpu_seconds_bound,
+    layer_elements_per_token,
+    lora_parameters,
+    project_memory,
+    verdict,
+)
+from hgpo_trl.rehearsal.rehearse import CPU_OPTIONS, without_own_options
+from hgpo_trl.rehearsal.report import projected_prompt_tokens, trained_once
+from hgpo_trl.rehearsal.shapes import SHAPES
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+ALFWORLD = Path(os.environ.get("ALFWORLD_DATA") or SHARED / "alfworld")
+PAPER = sorted((ROOT / "configs").glob("*/*_qwen2.5-*.yaml"))
+
+
+# ------------------------------------------------------------------ the plan
+@pytest.mark.parametrize("generations", [2, 4, 8, 16])
+@pytest.mark.parametrize(("micro", "accumulation"), [(16, 8), (8, 16), (4, 8), (2, 8), (4, 1), (2, 2)])
+def test_the_scaled_batches_make_two_optimizer_steps_and_pad_a_micro_batch(generations, micro, accumulation):
+    steps = 3 * generations  # one task, ENV_STEPS steps per episode
+    m, a = micro_batch_structure(steps, micro, accumulation)
+    assert 1 <= m <= micro and 1 <= a <= accumulation
+    assert math.ceil(math.ceil(steps / m) / a) >= 2
+    # Padded whenever some sizes up to the config's allow it: a short micro-batch first.
+    possible = [(k, b) for k in range(1, micro + 1) for b in range(1, accumulation + 1)
+                if math.ceil(math.ceil(steps / k) / b) >= 2]
+    assert pads(steps, m, a) or not any(pads(steps, *o) for o in possible)
+    assert steps % m or not any(steps % k for k, _ in possible)
+    assert micro_batch_structure(24, 16, 8) == (11, 2)  # ALFWorld 1.5B: 11 + 11 + 2 rows, 2 windows
+    assert micro_batch_structure(24, 2, 8) == (2, 5)  # WebShop 7B: 12 micro-batches, 3 windows, 3 of padding
+
+
+def parsed(config: Path, *options: str):
+    """A paper config as the rehearsal reads it (on a CPU: its GPU fields replaced)."""
+    return parse_sections(["--config", str(config), *CPU_OPTIONS, *options], (), "train.py")
+
+
+@pytest.mark.parametrize("config", PAPER, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_every_paper_config_names_its_launch_and_its_rehearsal_keeps_what_breaks_at_scale(config, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(ALFWORLD))
+    env_args, args, _ = parsed(config)
+    launch = read_launch_file(args.accelerate_config, str(config))
+    assert launch.processes * args.tasks_per_device == 16  # data.train_batch_size, as released
+    assert launch.zero_stage == (3 if "7b" in config.stem else 2) and launch.bf16
+    changes = {c.name: c.after for c in rehearsal_changes(args, launch.processes, 2,
+                                                          num_eval_tasks=env_args.num_eval_tasks)}
+    for kept in ("env_name", "estimator", "history_length", "num_generations", "step_batching", "beta",
+                 "gradient_checkpointing", "max_prompt_tokens", "action_mode", "invalid_action", "gamma"):
+        assert kept not in changes
+    micro = changes.get("per_device_train_batch_size", args.per_device_train_batch_size)
+    accumulation = changes["gradient_accumulation_steps"]
+    steps = changes["max_env_steps"] * args.num_generations
+    assert changes["mini_batch_size"] == micro * accumulation * launch.processes
+    assert math.ceil(math.ceil(steps / micro) / accumulation) >= 2 and pads(steps, micro, accumulation)
+    assert changes.get("env_workers", args.env_workers) in ((1,) if args.env_workers else (0, None))
+    assert changes["num_eval_tasks"] == launch.processes
+    assert changes["train_iterations"] == changes["save_every_iterations"] == changes["eval_every_iterations"] == 2
+
+
+def test_rehearsal_config_turns_a_config_object_into_its_rehearsal(monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(ALFWORLD))
+    _, args, _ = parsed(ROOT / "configs/alfworld/hgpo_k4_qwen2.5-1.5b.yaml", "--output_dir", "/tmp/unused")
+    rehearsal = rehearsal_config(args, processes=1, cores=2)
+    assert isinstance(rehearsal, HGPOConfig) and rehearsal.tasks_per_device == 1 and rehearsal.max_env_steps == 3
+    assert (rehearsal.per_device_train_batch_size, rehearsal.gradient_accumulation_steps) == (11, 2)
+    assert rehearsal.mini_batch_size == 22 and rehearsal.train_iterations == 2 and rehearsal.estimator == "hgpo"
+    assert rehearsal.max_steps == 2 * math.ceil(math.ceil(24 / 11) / 2)  # all_steps' bound, derived again
+
+
+def test_the_cpu_launch_file_keeps_processes_zero_stage_and_offloads_in_float32():
+    launch = read_launch_file("configs/accelerate/paper_7b_4gpu.yaml", None)
+    settings = cpu_launch_file(launch, 29999)
+    assert settings["num_processes"] == 4 and settings["deepspeed_config"]["zero_stage"] == 3
+    assert settings["deepspeed_config"]["offload_optimizer_device"] == "cpu"
+    assert settings["deepspeed_config"]["offload_param_device"] == "cpu"
+    assert settings["mixed_precision"] == "no" and settings["use_cpu"] is True and settings["main_process_port"] == 29999
+
+
+def test_a_bad_launch_file_is_one_line_naming_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="accelerate_config: nowhere.yaml does not exist"):
+        read_launch_file("nowhere.yaml", None)
+    (tmp_path / "fsdp.yaml").write_text("distributed_type: FSDP\nnum_processes: 2\n")
+    with pytest.raises(ConfigError, match="FSDP"):
+        read_launch_file(str(tmp_path / "fsdp.yaml"), None)
+    (tmp_path / "other.yaml").write_text("learning_rate: 1.0\n")
+    with pytest.raises(ConfigError, match="not an accelerate config file"):
+        read_launch_file(str(tmp_path / "other.yaml"), None)
+
+
+def test_the_launched_runs_do_not_rehearse_again():
+    argv = ["--config", "c.yaml", "--rehearse", "--rehearse_tokenizer", "t", "--gpu_memory_gib=40", "--seed", "1"]
+    assert without_own_options(argv) == ["--config", "c.yaml", "--seed", "1"]
+    assert without_own_options(["--rehearse", "true", "--seed", "1"]) == ["--seed", "1"]
+    assert wants_rehearsal(["--rehearse"]) and wants_rehearsal(["--rehearse=true"])
+    assert not wants_rehearsal(["--rehearse", "false"]) and not wants_rehearsal(["--seed", "1"])
+
+
+# ------------------------------------------------------------------ the projection, by hand
+N15 = 1_543_714_304  # Qwen2.5-1.5B's parameters
+
+
+@pytest.mark.parametrize(("stage", "weights", "grads", "optimizer", "reference"), [
+    (0, 6 * N15, 4 * N15, 8 * N15, 4 * N15),  # DDP: fp32 weights + autocast's bf16 copies, fp32 grads, AdamW
+    (1, 2 * N15, 2 * N15, 12 * N15 / 2, 2 * N15),  # ZeRO: bf16 weights, fp32 master + moments sharded
+    (2, 2 * N15, 2 * N15 / 2, 12 * N15 / 2, 2 * N15),
+    (3, 2 * N15 / 2, 2 * N15 / 2, 12 * N15 / 2, 2 * N15 / 2),
+])
+def test_memory_by_zero_stage_by_hand(stage, weights, grads, optimizer, reference):
+    shape = SHAPES["Qwen/Qwen2.5-1.5B-Instruct"]
+    assert shape.parameters == N15
+    work = Workload(micro_batch=16, prompt_tokens=1000, completion_tokens=512, vllm_share=0.6)
+    gpu = project_memory(shape, Placement(processes=2, zero_stage=stage), work).gpu
+    assert gpu["weights"] == pytest.approx(weights / GIB) and gpu["gradients"] == pytest.approx(grads / GIB)
+    assert gpu["optimizer states"] == pytest.approx(optimizer / GIB)
+    assert gpu["KL reference"] == pytest.approx(reference / GIB) and gpu["vLLM"] == pytest.approx(48.0)
+    # One micro-batch: 16 x 1512 tokens x (28 layers x 1536 + one layer's 4 x 8960 + 6 x 1536 + 2 x (12 + 2) x 128)
+    # bf16 elements, x the scale.py calibration; the LM head's two 512 x 32768 bf16 tiles.
+    elements = 28 * 1536 + 4 * 8960 + 6 * 1536 + 2 * 12 * 128 + 2 * 2 * 128
+    assert layer_elements_per_token(shape, True) == elements
+    assert gpu["activations (layers)"] == pytest.approx(16 * 1512 * elements * 2 * calibration() / GIB)
+    assert gpu["activations (LM head)"] == pytest.approx(2 * 4096 * 32768 * 2 / GIB)
+
+
+def test_offloads_move_the_optimizer_and_the_weights_to_the_host_by_hand():
+    shape = SHAPES["Qwen/Qwen2.5-7B-Instruct"]
+    n = shape.parameters
+    work = Workload(micro_batch=8, prompt_tokens=1000, completion_tokens=512, vllm_share=0.0)
+    two = project_memory(shape, Placement(4, 2, offload_optimizer=True), work)
+    assert two.gpu["optimizer states"] == 0 and two.gpu["gradients"] == pytest.approx(2 * n / 4 / GIB)
+    assert two.host == pytest.approx({"optimizer states": 12 * n / GIB, "gradients (fp32)": 4 * n / GIB})
+    three = project_memory(shape, Placement(4, 3, offload_optimizer=True, offload_param=True), work)
+    layer = (n - 152064 * 3584 * 2) / 28
+    assert three.gpu["weights"] == pytest.approx(2 * layer * 2 / GIB) and three.gpu["KL reference"] == 0
+    assert three.host["weights"] == pytest.approx(2 * n / GIB) and three.host["KL reference"] == pytest.approx(2 * n / GIB)
+    assert three.host["optimizer states"] == pytest.approx(12 * n / GIB)
+
+
+def test_the_verdict_names_the_field_to_change():
+    shape = SHAPES["Qwen/Qwen2.5-7B-Instruct"]
+    place, work = Placement(2, 2), Workload(micro_batch=16, prompt_tokens=3000, completion_tokens=512, vllm_share=0.6)
+    line = verdict(project_memory(shape, place, work), shape, place, work)
+    assert line.startswith("does not fit") and "vllm_enable_sleep_mode: true" in line
+    fits = Workload(micro_batch=1, prompt_tokens=500, completion_tokens=64)
+    assert verdict(project_memory(SHAPES["Qwen/Qwen2.5-0.5B-Instruct"], place, fits), shape, place, fits) \
+        .startswith("fits:")
+
+
+def test_lora_and_the_time_bound_by_hand():
+    shape = SHAPES["Qwen/Qwen2.5-1.5B-Instruct"]
+    # q_proj (1536 -> 1536) and v_proj (1536 -> 256) of 28 layers at rank 16.
+    assert lora_parameters(shape, 16, None) == 28 * 16 * ((1536 + 1536) + (1536 + 256))
+    load = IterationLoad(step_samples=10, optimizer_steps=1, generated_tokens=1e6, prompt_tokens=2e6,
+                         scored_tokens=3e6, trained_tokens=4e6)
+    flops = 2 * N15 * 6e6 + 8 * N15 * 4e6
+    assert gpu_seconds_bound(shape, load, gpus=2, tflops=400) == pytest.approx(flops / (2 * 400e12))
+
+
+def test_the_projected_prompt_adds_the_history_the_rehearsal_did_not_reach():
+    lengths = {"prompt": {"max": 900.0}, "prompt_mean_by_step": {"0": 600.0, "1": 700.0, "2": 800.0}}
+    assert projected_prompt_tokens(lengths, history_length=4, max_prompt_tokens=4096) == 900 + 2 * 100
+    assert projected_prompt_tokens(lengths, history_length=4, max_prompt_tokens=1000) == 1000
+
+
+def test_trained_once_reads_the_counters():
+    good = [{"collected": 48, "trained": 48, "max_untrained": 0.0, "trained_passes": 50, "duplicated": 2}]
+    assert trained_once(good, 1)
+    assert not trained_once([{**good[0], "max_untrained": 1.0, "trained": 47}], 1) and not trained_once([], 1)
+
+
+# ------------------------------------------------------------------ messages
+def test_a_gpu_config_on_a_cpu_names_the_rehearsal_first():
+    with pytest.raises(ValueError, match=r"^HGPOConfig: this config needs a GPU.*rehearse it on this CPU with --rehearse"):
+        HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
+
+
+def test_a_multi_process_launch_on_a_cpu_without_use_cpu_says_use_cpu(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"launcher started 2 processes .* set use_cpu: true") as err:
+        HGPOConfig(output_dir="/tmp/unused", step_batching="all_steps", train_iterations=1, report_to="none",
+                   per_device_train_batch_size=2, num_generations=2)
+    assert "\n" not in str(err.value)
+
+
+def test_deepspeed_mixed_precision_against_bf16_is_one_line(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(ValueError, match=r"mixed_precision: bf16 and this config's bf16: False.*--mixed_precision no"):
+        HGPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to="none")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    HGPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, report_to="none")  # agree: fine
+
+
+def test_a_rehearsal_without_the_tokenizer_offline_says_which_to_give(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("ALFWORLD_DATA", str(ALFWORLD))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "configs/alfworld/hgpo_k4_qwen2.5-1.5b.yaml", "--rehearse", "--output_dir",
+              str(tmp_path / "out")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "--rehearse_tokenizer FOLDER" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out-rehearsal").exists()  # refused before writing anything
+
+
+# ------------------------------------------------------------------ rehearsals, 2 processes
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["alfworld/hgpo_k4_qwen2.5-1.5b", "webshop/gigpo_k2_qwen2.5-1.5b"])
+def test_a_paper_config_rehearses_under_its_own_accelerate_file(config, tmp_path):
+    if config.startswith("alfworld") and not ALFWORLD.is_dir():
+        pytest.skip(f"no ALFWorld data at {ALFWORLD}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ALFWORLD_DATA": str(ALFWORLD)}
+    # Scaled further for the suite's budget: 2 rollouts a task, 2 steps an episode (options the rehearsal keeps).
+    command = [sys.executable, "train.py", "--config", f"configs/{config}.yaml", "--rehearse",
+               "--rehearse_tokenizer", str(SHARED / "qwen2.5-tokenizer"), "--output_dir", str(tmp_path / "run"),
+               "--num_generations", "2", "--max_env_steps", "2"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "run-rehearsal" / "rehearsal.json").read_text())
+    assert all(report["checks"].values()), report["checks"]
+    assert report["run"]["processes"] == 2 and report["run"]["distribution"] == "DeepSpeed ZeRO-2"
+    assert [r["iteration"] for r in report["iterations"]] == [1, 2, 3]
+    assert report["tokens"]["prompt"]["max"] <= 4096 and report["projection"]["verdict"]
+    assert "every collected step trained once" in done.stdout and "GPU per device" in done.stdout
+    launched = yaml.safe_load((tmp_path / "run-rehearsal" / "accelerate.yaml").read_text())
+    assert launched["mixed_precision"] == "no" and launched["deepspeed_config"]["zero_stage"] == 2
