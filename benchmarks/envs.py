@@ -4,7 +4,8 @@
 
 Plays `--envs` valid_unseen games with the handcoded expert's actions for `--steps` steps, timing resets and
 steps with 1 worker and with 2 workers (the target: 2 workers at least 1.6x the steps per second of 1), and
-reports the resident memory one ALFWorld environment adds. Also times keydoor and WebShop in-process.
+reports the resident memory one ALFWorld environment adds; times a task group's resets into one game with
+fast-downward's translations remembered and afresh. Also times keydoor and WebShop in-process.
 Data: --data, else $ALFWORLD_DATA, else the packed games in ../shared/data/alfworld.
 """
 
@@ -74,6 +75,32 @@ def alfworld(args) -> None:
     print(f"speed-up of 2 workers over 1: {rates[2] / rates[1]:.2f}x (target >= 1.6x)")
 
 
+def group_resets(args) -> None:
+    """A task group's resets: `--envs` environments in this process reset into one game, then into another (as
+    the G rollouts of a task do each iteration), with fast-downward's translations remembered (the default)
+    and made afresh each time."""
+    import fast_downward
+
+    from hgpo_trl.envs.alfworld import _translated
+
+    data = args.data or os.environ.get("ALFWORLD_DATA") or str(PACKED)
+    tasks = list(make_tasks("alfworld", "valid_unseen", data_path=data, num_tasks=3))
+    factory = partial(make_env, "alfworld", split="valid_unseen", data_path=data)
+    with InProcessEnvs(factory, args.envs) as batch:
+        batch.reset([tasks[0]] * args.envs)  # engines started, games unpacked
+        remembered = fast_downward.pddl2sas
+        timings = {}
+        for label, translate, task in (("remembered", remembered, tasks[1]), ("afresh", remembered.original, tasks[2])):
+            fast_downward.pddl2sas = translate
+            _translated.cache_clear()
+            tick = time.perf_counter()
+            batch.reset([task] * args.envs)
+            timings[label] = time.perf_counter() - tick
+        fast_downward.pddl2sas = remembered
+    print(f"ALFWorld, {args.envs} envs reset into one new game: {timings['remembered']:.1f} s with translations "
+          f"remembered, {timings['afresh']:.1f} s afresh ({timings['afresh'] / timings['remembered']:.1f}x)")
+
+
 def fast_envs() -> None:
     """keydoor and the generated WebShop in-process, each environment taking its first admissible action."""
     for name in ("keydoor", "webshop"):
@@ -92,6 +119,7 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true", help="the 1-worker case steps in this process")
     args = parser.parse_args()
     fast_envs()
+    group_resets(args)
     alfworld(args)
 
 

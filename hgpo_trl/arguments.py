@@ -94,6 +94,12 @@ class RehearsalArguments:
         default=80.0, metadata={"help": "--rehearse: the memory of one GPU of the real run, in GiB."})
 
 
+def flag_value(text: str) -> bool | None:
+    """A boolean option's value as the parser reads it (yes/no, true/false, t/f, y/n, 1/0); None: not one."""
+    return {"yes": True, "true": True, "t": True, "y": True, "1": True,
+            "no": False, "false": False, "f": False, "n": False, "0": False}.get(text.lower())
+
+
 class ConfigError(ValueError):
     """A configuration a run cannot start with; the message names the field and what was expected."""
 

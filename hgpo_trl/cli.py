@@ -18,7 +18,7 @@ from typing import Any
 
 from trl import ModelConfig, get_peft_config
 
-from hgpo_trl.arguments import TINY, ConfigError, EnvArguments, entry_point_scope, parse
+from hgpo_trl.arguments import TINY, ConfigError, EnvArguments, entry_point_scope, flag_value, parse
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.reporting import (
@@ -170,7 +170,7 @@ def wants_rehearsal(argv: list[str]) -> bool:
     for i, arg in enumerate(argv):
         if arg.split("=")[0] == "--rehearse":
             value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "true")
-            return value.lower() not in ("false", "0", "no")
+            return flag_value(value) is not False
     return False
 
 
@@ -178,7 +178,7 @@ def rehearse_main(argv: list[str]) -> None:
     """`--rehearse`: the rehearsal's report; exit 0 when every check passed, 1 when one failed or a launch
     did, 2 on a configuration error."""
     from hgpo_trl.rehearsal.launch import RehearsalError
-    from hgpo_trl.rehearsal.rehearse import rehearse
+    from hgpo_trl.rehearsal.rehearse import passed, rehearse
 
     with entry_point_scope():
         try:
@@ -189,9 +189,8 @@ def rehearse_main(argv: list[str]) -> None:
         except RehearsalError as err:
             print(f"train.py --rehearse: {err}", file=sys.stderr)
             raise SystemExit(1) from None
-    raise SystemExit(0 if all(report["checks"].values()) else 1)
+    raise SystemExit(0 if passed(report) else 1)
 
 
 if __name__ == "__main__":  # the rehearsal's launches run `python -m hgpo_trl.cli`
     main()
-

@@ -140,4 +140,3 @@ def completion_positions_only() -> Iterator[None]:
         yield
     finally:
         trl_utils._use_triton = original
-

@@ -257,3 +257,38 @@ def test_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "alfworld.agents.environment.alfred_tw_env", None)
     with pytest.raises(ImportError, match=r'pip install "hgpo-trl\[alfworld\]"'):
         make_env("alfworld", split=SPLIT, data_path=DATA)
+
+
+@pytest.mark.slow
+@needs_alfworld
+@needs_data
+def test_remembered_translations_play_exactly_as_fresh_ones(cache, monkeypatch):
+    """Resets reuse fast-downward translations of the same PDDL texts: the expert's play of two games,
+    reset twice each in two environments, is the same step for step as with every translation made afresh."""
+    import fast_downward
+
+    from hgpo_trl.envs.alfworld import _translated
+
+    tasks = make_tasks("alfworld", SPLIT, data_path=DATA, num_tasks=2)
+
+    def play() -> list:
+        envs = [make_env("alfworld", split=SPLIT, data_path=DATA, expert=True, cache_dir=cache) for _ in range(2)]
+        seen = []
+        for task in [*tasks, *tasks]:
+            for env in envs:
+                observation, info = env.reset(task)
+                steps = [env.step(info["expert_action"])]
+                steps.append(env.step(steps[-1][-1]["expert_action"]))
+                seen.append((observation, sorted(info["admissible_actions"]), [s[0] for s in steps],
+                             [sorted(s[-1]["admissible_actions"]) for s in steps], info["state_key"]))
+        for env in envs:
+            env.close()
+        return seen
+
+    random.seed(0)
+    remembered = play()
+    hits = _translated.cache_info().hits
+    assert hits >= 4 * 7  # 8 resets into 2 games, 4 translations each: all but the first 2 x 2 of a game reused
+    monkeypatch.setattr(fast_downward, "pddl2sas", fast_downward.pddl2sas.original)
+    random.seed(0)
+    assert play() == remembered and _translated.cache_info().hits == hits  # (none remembered this time)

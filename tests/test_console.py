@@ -89,6 +89,7 @@ def test_a_gpu_config_on_a_cpu_names_the_fields_to_change(tmp_path, capfd):
               "--output_dir", str(tmp_path)])
     err = capfd.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1
-    assert "this config needs a GPU and no GPU is visible: start from a CPU recipe" in err
+    assert "this config needs a GPU and no GPU is visible: rehearse it on this CPU with --rehearse" in err
+    assert "start from a CPU recipe" in err
     assert "configs/{alfworld,webshop}/tiny_cpu.yaml), or set use_vllm: false, bf16: false" in err
     assert "--use_vllm false --bf16 false" in err

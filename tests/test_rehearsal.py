@@ -1,6 +1,7 @@
 """The rehearsal of a GPU config on CPUs (issue 32): its plan, its projection by hand, its messages, and
 2-process rehearsals of paper configs under their own accelerate files."""
 
+import dataclasses
 import json
 import math
 import os
@@ -28,7 +29,7 @@ from hgpo_trl.rehearsal.projection import (
     project_memory,
     verdict,
 )
-from hgpo_trl.rehearsal.rehearse import CPU_OPTIONS, without_own_options
+from hgpo_trl.rehearsal.rehearse import CPU_OPTIONS, passed, user_value, without_own_options
 from hgpo_trl.rehearsal.report import projected_prompt_tokens, trained_once
 from hgpo_trl.rehearsal.shapes import SHAPES
 
@@ -92,6 +93,17 @@ def test_rehearsal_config_turns_a_config_object_into_its_rehearsal(monkeypatch):
     assert rehearsal.max_steps == 2 * math.ceil(math.ceil(24 / 11) / 2)  # all_steps' bound, derived again
 
 
+def test_a_fixed_budget_config_with_step_cadences_rehearses_on_iteration_cadences():
+    _, args, _ = parse_sections(["--config", "configs/quickstart.yaml", "--output_dir", "/tmp/unused"], (), "train.py")
+    rehearsal = rehearsal_config(args, processes=2, cores=2)
+    assert rehearsal.step_batching == "fixed_budget" and rehearsal.per_device_train_batch_size == 4
+    assert str(rehearsal.save_strategy) in ("no", "SaveStrategy.NO") and rehearsal.save_every_iterations == 2
+    assert rehearsal.eval_every_iterations == 2 and rehearsal.logging_steps == 1
+    # 2 optimizer steps an iteration, and a budget that num_generations divides (TRL's check)
+    assert rehearsal.steps_per_generation * rehearsal.num_iterations // rehearsal.gradient_accumulation_steps == 2
+    assert rehearsal.per_device_train_batch_size * 2 * rehearsal.steps_per_generation % rehearsal.num_generations == 0
+
+
 def test_the_cpu_launch_file_keeps_processes_zero_stage_and_offloads_in_float32():
     launch = read_launch_file("configs/accelerate/paper_7b_4gpu.yaml", None)
     settings = cpu_launch_file(launch, 29999)
@@ -99,6 +111,14 @@ def test_the_cpu_launch_file_keeps_processes_zero_stage_and_offloads_in_float32(
     assert settings["deepspeed_config"]["offload_optimizer_device"] == "cpu"
     assert settings["deepspeed_config"]["offload_param_device"] == "cpu"
     assert settings["mixed_precision"] == "no" and settings["use_cpu"] is True and settings["main_process_port"] == 29999
+
+
+def test_two_deepspeed_machines_on_one_host_use_the_standard_launcher():
+    launch = read_launch_file("configs/accelerate/paper_1.5b_2gpu.yaml", None)
+    two = type(launch)(launch.path, {**launch.settings, "num_machines": 2})
+    settings = cpu_launch_file(two, 29999)
+    assert settings["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"  # not pdsh over ssh
+    assert settings["main_process_ip"] == "127.0.0.1"
 
 
 def test_a_bad_launch_file_is_one_line_naming_the_field(tmp_path):
@@ -116,19 +136,27 @@ def test_the_launched_runs_do_not_rehearse_again():
     argv = ["--config", "c.yaml", "--rehearse", "--rehearse_tokenizer", "t", "--gpu_memory_gib=40", "--seed", "1"]
     assert without_own_options(argv) == ["--config", "c.yaml", "--seed", "1"]
     assert without_own_options(["--rehearse", "true", "--seed", "1"]) == ["--seed", "1"]
-    assert wants_rehearsal(["--rehearse"]) and wants_rehearsal(["--rehearse=true"])
+    assert without_own_options(["--rehearse", "yes", "--seed", "1"]) == ["--seed", "1"]
+    assert wants_rehearsal(["--rehearse"]) and wants_rehearsal(["--rehearse=true"]) and wants_rehearsal(["--rehearse", "y"])
     assert not wants_rehearsal(["--rehearse", "false"]) and not wants_rehearsal(["--seed", "1"])
+    # The user's value as the parser reads it: the last one given.
+    assert user_value(["--bf16", "true", "--bf16", "0"], "bf16", None) is False
 
 
 # ------------------------------------------------------------------ the projection, by hand
 N15 = 1_543_714_304  # Qwen2.5-1.5B's parameters
 
 
+LAYER15 = (N15 - 151936 * 1536) / 28 * 2  # one layer of Qwen2.5-1.5B in bf16 (its embedding is tied)
+
+
 @pytest.mark.parametrize(("stage", "weights", "grads", "optimizer", "reference"), [
-    (0, 6 * N15, 4 * N15, 8 * N15, 4 * N15),  # DDP: fp32 weights + autocast's bf16 copies, fp32 grads, AdamW
-    (1, 2 * N15, 2 * N15, 12 * N15 / 2, 2 * N15),  # ZeRO: bf16 weights, fp32 master + moments sharded
-    (2, 2 * N15, 2 * N15 / 2, 12 * N15 / 2, 2 * N15),
-    (3, 2 * N15 / 2, 2 * N15 / 2, 12 * N15 / 2, 2 * N15 / 2),
+    # DDP: fp32 weights + autocast's bf16 copies, fp32 gradients + DDP's buckets, AdamW's two moments
+    (0, 6 * N15, 8 * N15, 8 * N15, 4 * N15),
+    # ZeRO: bf16 weights and gradients, an fp32 gradient partition, fp32 master + moments sharded
+    (1, 2 * N15, 2 * N15 + 4 * N15 / 2, 12 * N15 / 2, 2 * N15),
+    (2, 2 * N15, (2 + 4) * N15 / 2, 12 * N15 / 2, 2 * N15),
+    (3, 2 * N15 / 2 + 2 * LAYER15 + 151936 * 1536 * 2, (2 + 4) * N15 / 2, 12 * N15 / 2, 2 * N15 / 2),
 ])
 def test_memory_by_zero_stage_by_hand(stage, weights, grads, optimizer, reference):
     shape = SHAPES["Qwen/Qwen2.5-1.5B-Instruct"]
@@ -154,17 +182,25 @@ def test_offloads_move_the_optimizer_and_the_weights_to_the_host_by_hand():
     assert two.gpu["optimizer states"] == 0 and two.gpu["gradients"] == pytest.approx(2 * n / 4 / GIB)
     assert two.host == pytest.approx({"optimizer states": 12 * n / GIB, "gradients (fp32)": 4 * n / GIB})
     three = project_memory(shape, Placement(4, 3, offload_optimizer=True, offload_param=True), work)
-    layer = (n - 152064 * 3584 * 2) / 28
-    assert three.gpu["weights"] == pytest.approx(2 * layer * 2 / GIB) and three.gpu["KL reference"] == 0
+    layer, embedding = (n - 152064 * 3584 * 2) / 28 * 2, 152064 * 3584 * 2  # bf16
+    assert three.gpu["weights"] == pytest.approx((2 * layer + embedding) / GIB) and three.gpu["KL reference"] == 0
     assert three.host["weights"] == pytest.approx(2 * n / GIB) and three.host["KL reference"] == pytest.approx(2 * n / GIB)
     assert three.host["optimizer states"] == pytest.approx(12 * n / GIB)
 
 
 def test_the_verdict_names_the_field_to_change():
-    shape = SHAPES["Qwen/Qwen2.5-7B-Instruct"]
-    place, work = Placement(2, 2), Workload(micro_batch=16, prompt_tokens=3000, completion_tokens=512, vllm_share=0.6)
+    shape = SHAPES["Qwen/Qwen2.5-1.5B-Instruct"]  # the paper's 1.5B launch with prompts at the 4,096 cap
+    place, work = Placement(2, 2), Workload(micro_batch=16, prompt_tokens=4096, completion_tokens=512, vllm_share=0.6)
     line = verdict(project_memory(shape, place, work), shape, place, work)
-    assert line.startswith("does not fit") and "vllm_enable_sleep_mode: true" in line
+    assert line == ("does not fit: 87.7 of 80 GiB per GPU, 7.7 GiB over; set per_device_train_batch_size 9 or "
+                    "vllm_gpu_memory_utilization 0.50 or vllm_enable_sleep_mode: true")
+    # Every field named fits when set (projected again).
+    for change in ({"micro_batch": 9}, {"vllm_share": 0.5}, {"vllm_share": 0.0}):
+        assert project_memory(shape, place, dataclasses.replace(work, **change)).fits
+    assert not project_memory(shape, place, dataclasses.replace(work, micro_batch=10)).fits
+    big, ddp = SHAPES["Qwen/Qwen2.5-7B-Instruct"], Placement(2, 0)
+    hopeless = verdict(project_memory(big, ddp, work), big, ddp, work)
+    assert hopeless.startswith("does not fit") and "no one field fits it" in hopeless
     fits = Workload(micro_batch=1, prompt_tokens=500, completion_tokens=64)
     assert verdict(project_memory(SHAPES["Qwen/Qwen2.5-0.5B-Instruct"], place, fits), shape, place, fits) \
         .startswith("fits:")
@@ -227,23 +263,52 @@ def test_a_rehearsal_without_the_tokenizer_offline_says_which_to_give(capsys, mo
 
 
 # ------------------------------------------------------------------ rehearsals, 2 processes
-@pytest.mark.slow
-@pytest.mark.parametrize("config", ["alfworld/hgpo_k4_qwen2.5-1.5b", "webshop/gigpo_k2_qwen2.5-1.5b"])
-def test_a_paper_config_rehearses_under_its_own_accelerate_file(config, tmp_path):
-    if config.startswith("alfworld") and not ALFWORLD.is_dir():
-        pytest.skip(f"no ALFWorld data at {ALFWORLD}")
+def rehearse_in_a_subprocess(config: str, out: Path, *options: str) -> tuple[dict, str]:
+    """`train.py --rehearse` of paper config `config` with the real Qwen2.5 tokenizer, scaled further for the
+    suite's budget (2 rollouts a task, 2 steps an episode: options the rehearsal keeps); its report and output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ALFWORLD_DATA": str(ALFWORLD)}
-    # Scaled further for the suite's budget: 2 rollouts a task, 2 steps an episode (options the rehearsal keeps).
     command = [sys.executable, "train.py", "--config", f"configs/{config}.yaml", "--rehearse",
-               "--rehearse_tokenizer", str(SHARED / "qwen2.5-tokenizer"), "--output_dir", str(tmp_path / "run"),
-               "--num_generations", "2", "--max_env_steps", "2"]
+               "--rehearse_tokenizer", str(SHARED / "qwen2.5-tokenizer"), "--output_dir", str(out),
+               "--num_generations", "2", "--max_env_steps", "2", *options]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((tmp_path / "run-rehearsal" / "rehearsal.json").read_text())
-    assert all(report["checks"].values()), report["checks"]
-    assert report["run"]["processes"] == 2 and report["run"]["distribution"] == "DeepSpeed ZeRO-2"
+    report = json.loads(Path(f"{out}-rehearsal", "rehearsal.json").read_text())
+    assert passed(report) and all(ok is not None for ok in report["checks"].values()), report["checks"]
     assert [r["iteration"] for r in report["iterations"]] == [1, 2, 3]
-    assert report["tokens"]["prompt"]["max"] <= 4096 and report["projection"]["verdict"]
-    assert "every collected step trained once" in done.stdout and "GPU per device" in done.stdout
+    assert "check: every collected step trained once           yes" in done.stdout
+    assert report["projection"]["verdict"] and "GPU per device" in done.stdout
+    return report, done.stdout
+
+
+@pytest.mark.slow
+def test_the_alfworld_paper_config_rehearses_under_its_own_accelerate_file(tmp_path):
+    if not ALFWORLD.is_dir():
+        pytest.skip(f"no ALFWorld data at {ALFWORLD}")
+    report, _ = rehearse_in_a_subprocess("alfworld/hgpo_k4_qwen2.5-1.5b", tmp_path / "run")
+    assert report["run"]["processes"] == 2 and report["run"]["distribution"] == "DeepSpeed ZeRO-2"
+    assert 0 < report["tokens"]["prompt"]["max"] <= 4096 and report["tokens"]["completion"]["max"] == 16
     launched = yaml.safe_load((tmp_path / "run-rehearsal" / "accelerate.yaml").read_text())
     assert launched["mixed_precision"] == "no" and launched["deepspeed_config"]["zero_stage"] == 2
+
+
+@pytest.mark.slow
+def test_the_webshop_paper_config_rehearses_on_two_machines_of_one_process(tmp_path):
+    """accelerate's num_machines: 2 (DeepSpeed ZeRO-2, as the paper's file) launched as machine ranks 0 and 1
+    on this host: the multi-node paths (a machine's own workers and local ranks, files written once,
+    checkpoints and the resume) in one rehearsal."""
+    machines = {**yaml.safe_load((ROOT / "configs/accelerate/paper_1.5b_2gpu.yaml").read_text()),
+                "num_machines": 2, "main_process_ip": "10.0.0.1", "main_process_port": 29500}
+    (tmp_path / "two_machines.yaml").write_text(yaml.safe_dump(machines))
+    report, _ = rehearse_in_a_subprocess("webshop/gigpo_k2_qwen2.5-1.5b", tmp_path / "run",
+                                         "--accelerate_config", str(tmp_path / "two_machines.yaml"))
+    assert report["run"]["machines"] == 2 and report["run"]["processes"] == 2
+    folder = tmp_path / "run-rehearsal"
+    launched = yaml.safe_load((folder / "accelerate.yaml").read_text())
+    assert launched["main_process_ip"] == "127.0.0.1" and launched["mixed_precision"] == "no"
+    assert launched["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+    # Each machine rank ran its own launcher; the global main process (machine 0) alone printed and wrote.
+    logs = {rank: (folder / f"launch1_machine{rank}.log").read_text() for rank in (0, 1)}
+    assert "[iter    1]" in logs[0] and "[iter" not in logs[1]
+    checkpoint = folder / "run" / report["resumed_from"]
+    assert sorted(p.name for p in checkpoint.glob("hgpo_trainer_state_*.json")) == \
+        ["hgpo_trainer_state_0.json", "hgpo_trainer_state_1.json"]

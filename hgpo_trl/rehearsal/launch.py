@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -38,13 +39,16 @@ class LaunchFile:
         return int(self.settings.get("num_processes", 1))
 
     @property
+    def uses_deepspeed(self) -> bool:
+        return self.settings.get("distributed_type") == "DEEPSPEED"
+
+    @property
     def deepspeed(self) -> dict[str, Any]:
-        return self.settings.get("deepspeed_config") or {} if self.settings.get("distributed_type") == "DEEPSPEED" \
-            else {}
+        return (self.settings.get("deepspeed_config") or {}) if self.uses_deepspeed else {}
 
     @property
     def zero_stage(self) -> int:
-        return int(self.deepspeed.get("zero_stage", 0)) if self.deepspeed else 0
+        return int(self.deepspeed.get("zero_stage", 0))
 
     def offloads(self, what: str) -> bool:
         return str(self.deepspeed.get(f"offload_{what}_device", "none")).lower() not in ("none", "")
@@ -89,6 +93,8 @@ def cpu_launch_file(launch: LaunchFile, port: int) -> dict[str, Any]:
         settings["distributed_type"] = "MULTI_GPU"
     if launch.machines > 1:
         settings.update(main_process_ip="127.0.0.1", same_network=True, rdzv_backend="static")
+        if launch.uses_deepspeed:  # accelerate's default multi-node DeepSpeed launcher is pdsh, over ssh to a hostfile
+            settings["deepspeed_config"] = {**launch.deepspeed, "deepspeed_multinode_launcher": "standard"}
     return settings
 
 
@@ -123,37 +129,40 @@ def build_model(shape, tokenizer, folder: Path) -> Path:
         return build_model_folder(tiny_twin(shape), tokenizer, folder)
 
 
-def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout: float | None = None) -> float:
-    """Run `train.py argv` under `launch_file`, one `accelerate launch` per machine rank, all on this host;
-    wall seconds. A failure raises RehearsalError with the log's tail."""
+def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout: float = 3600.0) -> float:
+    """Run `train.py argv` under `launch_file`, one `accelerate launch` per machine rank, all on this host, in
+    sessions of their own; wall seconds. When one fails (or `timeout` passes) the others are stopped with all
+    their processes (a survivor would wait in a collective for the dead one), and RehearsalError says why."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "DS_ACCELERATOR": "cpu", "HGPO_TRL_REHEARSAL": "1"}
+           "DS_ACCELERATOR": "cpu"}
     start = time.time()
-    procs = []
+    running = []
     for rank in range(machines):
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
                    "--machine_rank", str(rank), "-m", "hgpo_trl.cli", *argv]
         out = log.with_name(f"{log.stem}{'' if machines == 1 else f'_machine{rank}'}.log")
-        procs.append((subprocess.Popen(command, env=env, stdout=out.open("w"), stderr=subprocess.STDOUT), out))
+        with out.open("w") as file:
+            running.append((subprocess.Popen(command, env=env, stdout=file, stderr=subprocess.STDOUT,
+                                             start_new_session=True), out))
     failed = None
-    for proc, out in procs:
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = "timeout"
-        if code != 0 and failed is None:
-            failed = (code, out)
+    while failed is None and any(proc.poll() is None for proc, _ in running):
+        failed = next(((proc.returncode, out) for proc, out in running if proc.poll() not in (None, 0)), None)
+        if failed is None and time.time() - start > timeout:
+            failed = (f"no end after {timeout:.0f} s", running[0][1])
+        time.sleep(0.5)
+    failed = failed or next(((proc.returncode, out) for proc, out in running if proc.returncode), None)
+    for proc, _ in running:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its ranks and their environment workers
+            proc.wait()
     if failed is not None:
-        for proc, _ in procs:
-            proc.kill()
         code, out = failed
         lines = out.read_text(errors="replace").splitlines()
         # The first error a process reported, before torch elastic's summary of the failed ranks.
         cause = next((line for line in lines if ("error" in line.lower() or "Traceback" in line)
                       and "ChildFailedError" not in line and "elastic" not in line), "")
         tail = "\n".join(lines[-15:])
-        raise RehearsalError(f"the rehearsal's launch failed (exit {code}): {cause.strip() or 'see its log'}\n"
+        raise RehearsalError(f"the rehearsal's launch failed ({code}): {cause.strip() or 'see its log'}\n"
                              f"(the log: {out}; its end:)\n{tail}")
     return time.time() - start
 

@@ -70,10 +70,17 @@ def rehearsal_changes(args: HGPOConfig, processes: int, cores: int, *, num_eval_
                "a checkpoint at the end of the first launch, to resume from"),
         Change("trajectory_dump_every", args.trajectory_dump_every, 1, "prompt and completion lengths"),
         Change("push_to_hub", args.push_to_hub, False, "a rehearsal uploads nothing"),
+        # One log per optimizer step: TRL averages a logging interval's metrics, the checks read each iteration's.
+        Change("logging_steps", args.logging_steps, 1, "every iteration's counters in the log"),
+        Change("logging_strategy", str(getattr(args.logging_strategy, "value", args.logging_strategy)), "steps",
+               "every iteration's counters in the log"),
     ]
-    evaluates = args.eval_every_iterations is not None or str(getattr(args.eval_strategy, "value",
-                                                                      args.eval_strategy)) != "no"
-    if evaluates:
+    strategies = {kind: str(getattr(getattr(args, f"{kind}_strategy"), "value", getattr(args, f"{kind}_strategy")))
+                  for kind in ("eval", "save")}
+    for kind, strategy in strategies.items():  # optimizer-step cadences become iteration ones
+        if strategy != "no":
+            changes.append(Change(f"{kind}_strategy", strategy, "no", f"{kind}_every_iterations instead"))
+    if args.eval_every_iterations is not None or strategies["eval"] != "no":
         changes.append(Change("eval_every_iterations", args.eval_every_iterations, FIRST_LAUNCH_ITERATIONS,
                               "an evaluation at the cadence, before the checkpoint"))
     if num_eval_tasks is None or num_eval_tasks > processes:
@@ -90,13 +97,15 @@ def rehearsal_changes(args: HGPOConfig, processes: int, cores: int, *, num_eval_
         changes.append(Change("report_to", args.report_to, "tensorboard", "offline: no tracking service"))
     steps = min(args.max_env_steps, ENV_STEPS) * args.num_generations
     if args.step_batching == "all_steps":
-        accumulation = (args.mini_batch_size // (args.per_device_train_batch_size * processes)
-                        if args.mini_batch_size else args.gradient_accumulation_steps)
-        micro, accumulation = micro_batch_structure(steps, args.per_device_train_batch_size, accumulation)
+        # (args was built in one process: its accumulation is the launch's times the processes)
+        configured = (args.mini_batch_size // (args.per_device_train_batch_size * processes)
+                      if args.mini_batch_size else args.gradient_accumulation_steps)
+        micro, accumulation = micro_batch_structure(steps, args.per_device_train_batch_size, configured)
         why = (f"<= {steps} steps per process in micro-batches of {micro}, {accumulation} per optimizer step: "
-               f"{math.ceil(math.ceil(steps / micro) / accumulation)} optimizer steps, a short last micro-batch")
+               f"{math.ceil(math.ceil(steps / micro) / accumulation)} optimizer steps"
+               + (", a padded micro-batch" if pads(steps, micro, accumulation) else ""))
         changes += [Change("per_device_train_batch_size", args.per_device_train_batch_size, micro, why),
-                    Change("gradient_accumulation_steps", args.gradient_accumulation_steps, accumulation, why)]
+                    Change("gradient_accumulation_steps", configured, accumulation, why)]
         if args.mini_batch_size:
             changes.append(Change("mini_batch_size", args.mini_batch_size, micro * accumulation * processes, why))
     else:  # fixed_budget: two optimizer steps of one micro-batch each, a budget that num_generations divides
@@ -118,7 +127,7 @@ def rehearsal_config(args: HGPOConfig, processes: int = 1, cores: int = 2) -> HG
     derived = {"max_steps": -1, "generation_batch_size": None, "save_strategy": "no", "eval_strategy": "no"}
     if "steps_per_generation" not in changes:
         derived["steps_per_generation"] = None
-    return dataclasses.replace(args, **derived, **changes)
+    return dataclasses.replace(args, **{**derived, **changes})
 
 
 def as_options(changes: list[Change]) -> list[str]:

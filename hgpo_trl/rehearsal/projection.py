@@ -4,16 +4,16 @@ device by part, host memory where DeepSpeed offloads, and a lower bound on an it
 An estimate with stated assumptions, not a measurement (no GPU ever ran this). Per parameter (N of them; N_t
 trainable, all of them without LoRA), on each of the P data-parallel processes:
 
-| part | plain DDP | DeepSpeed ZeRO-1 | ZeRO-2 | ZeRO-3 |
+| part | plain DDP | DeepSpeed ZeRO-0 / 1 | ZeRO-2 | ZeRO-3 |
 |---|---|---|---|---|
-| weights | `dtype` bytes, + 2 for bf16 autocast's cast copies | 2 (bf16; 4 in fp32) | same | same / P |
-| gradients | `dtype` bytes x N_t | 2 x N_t | 2 x N_t / P | 2 x N_t / P |
-| optimizer | 8 x N_t (AdamW moments) | 12 x N_t / P (+ fp32 master) | same | same |
+| weights | `dtype` bytes, + 2 for bf16 autocast's cast copies | 2 (bf16; 4 in fp32) | same | 2 / P, + the gathered working set |
+| gradients | 2 x `dtype` bytes x N_t (and DDP's buckets) | (2 + 4 / P) x N_t (bf16, fp32 partition) | (2 + 4) x N_t / P | same |
+| optimizer | 8 x N_t (AdamW moments) | 12 x N_t (/ P from ZeRO-1: + fp32 master) | 12 x N_t / P | same |
 | KL reference | `dtype` bytes (none with LoRA) | 2 (bf16) | 2 | 2 / P |
 
 `offload_optimizer_device: cpu` moves the optimizer states and an fp32 copy of the gradients (4 x N_t / P) to host
-memory; `offload_param_device: cpu` (ZeRO-3) the weight and reference partitions, leaving one gathered layer on
-the GPU. Colocated vLLM holds `vllm_gpu_memory_utilization` of the GPU (weights and KV cache) unless
+memory; `offload_param_device: cpu` (ZeRO-3) the weight and reference partitions, leaving the gathered working
+set on the GPU (two layers and the largest matrix, the embedding). Colocated vLLM holds `vllm_gpu_memory_utilization` of the GPU (weights and KV cache) unless
 `vllm_enable_sleep_mode` frees it while training. Activations are those of one micro-batch (only one is alive),
 padded to its longest row: per token, the structural count of `layer_elements_per_token` times a factor
 calibrated on `benchmarks/scale.py`'s measurement (Qwen2.5-0.5B shape, float32, 4 rows of 439 + 64 tokens,
@@ -52,6 +52,11 @@ class Placement:
     offload_param: bool = False
     bf16: bool = True  # mixed precision bf16 (bf16 compute over `dtype` master weights)
     processes_per_machine: int | None = None  # None: all on one machine
+    deepspeed: bool | None = None  # None: DeepSpeed when zero_stage > 0 (a ZeRO-0 file says True)
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.zero_stage > 0 if self.deepspeed is None else self.deepspeed
 
 
 @dataclass(frozen=True)
@@ -131,31 +136,35 @@ def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib:
     """GPU memory per device and host memory per machine of the real run (see the module docstring)."""
     n, p = shape.parameters, place.processes
     trainable = n if work.trainable is None else work.trainable
-    stage, deepspeed = place.zero_stage, place.zero_stage > 0
+    stage, deepspeed = place.zero_stage, place.uses_deepspeed
     compute = 2 if deepspeed and place.bf16 else work.weight_bytes  # DeepSpeed holds bf16 weights
     weights = n * compute + (2 * n if place.bf16 and not deepspeed and work.weight_bytes == 4 else 0)
-    grads = trainable * compute
+    grads = trainable * compute * (1 if deepspeed else 2)  # DDP: the gradients and its buckets
+    master = trainable * 4 if deepspeed and place.bf16 else 0  # fp32 gradient partition (ZeRO: sharded)
     optimizer = trainable * (12 if deepspeed and place.bf16 else 8)
     reference = n * compute if work.reference else 0
+    largest = shape.vocab_rows * shape.hidden * compute  # the embedding (and an untied LM head)
+    layer = (n - shape.vocab_rows * shape.hidden * (1 if shape.tied else 2)) / shape.layers * compute
     host: dict[str, float] = {}
     per_machine = place.processes_per_machine or p
+    if deepspeed:
+        master /= p
     if stage >= 1:
         optimizer /= p
     if stage >= 2:
         grads /= p
     if stage == 3:
-        weights, reference = weights / p, reference / p
+        weights, reference = weights / p + 2 * layer + largest, reference / p  # + the gathered working set
     if place.offload_optimizer:
         host["optimizer states"] = optimizer * per_machine / GIB
         host["gradients (fp32)"] = 4 * trainable / p * per_machine / GIB
-        optimizer = 0
+        optimizer, master = 0, 0
     if place.offload_param and stage == 3:
-        host["weights"] = weights * per_machine / GIB
+        host["weights"] = n * compute / p * per_machine / GIB
         host["KL reference"] = reference * per_machine / GIB
-        layer = (n - shape.vocab_rows * shape.hidden * (1 if shape.tied else 2)) / shape.layers
-        weights, reference = 2 * layer * compute, 0  # the gathered layer (and its prefetch)
+        weights, reference = 2 * layer + largest, 0
     layers, head = activation_gib(shape, work, place.bf16)
-    gpu = {"weights": weights / GIB, "gradients": grads / GIB, "optimizer states": optimizer / GIB,
+    gpu = {"weights": weights / GIB, "gradients": (grads + master) / GIB, "optimizer states": optimizer / GIB,
            "KL reference": reference / GIB, "vLLM": work.vllm_share * gpu_gib, "activations (layers)": layers,
            "activations (LM head)": head, "runtime": RUNTIME_GIB}
     assumptions = [
@@ -172,25 +181,29 @@ def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib:
 
 
 def verdict(projection: MemoryProjection, shape: ModelShape, place: Placement, work: Workload) -> str:
-    """One line: fits, or by how much it does not and which field to change."""
+    """One line: fits, or by how much it does not and the fields whose change (each projected again) fits."""
     total, size = projection.gpu_total, projection.gpu_gib
     if projection.fits:
         return f"fits: {total:.1f} of {size:.0f} GiB per GPU ({size - total:.1f} GiB spare)"
-    over = total - size
-    fixes = []
-    for rows in range(work.micro_batch - 1, 0, -1):
-        if project_memory(shape, place, dataclasses.replace(work, micro_batch=rows), size).fits:
-            fixes.append(f"per_device_train_batch_size {rows}")
-            break
+
+    def fits(**change) -> bool:
+        return project_memory(shape, place, dataclasses.replace(work, **change), size).fits
+
+    fixes = [f"per_device_train_batch_size {rows}" for rows in range(work.micro_batch - 1, 0, -1)
+             if fits(micro_batch=rows)][:1]
     if work.vllm_share:
-        share = math.floor((work.vllm_share - over / size) * 100) / 100
-        if share >= 0.1:
+        # vLLM needs its weights (bf16) and some KV cache inside its share
+        floor = (2 * shape.parameters / GIB + 2.0) / size
+        share = math.floor((work.vllm_share - (total - size) / size) * 100) / 100
+        if share >= floor and fits(vllm_share=share):
             fixes.append(f"vllm_gpu_memory_utilization {share:.2f}")
-        fixes.append("vllm_enable_sleep_mode: true")
-    if not work.gradient_checkpointing:
+        if fits(vllm_share=0.0):
+            fixes.append("vllm_enable_sleep_mode: true")
+    if not work.gradient_checkpointing and fits(gradient_checkpointing=True):
         fixes.append("gradient_checkpointing: true")
-    hint = f"; set {' or '.join(fixes)}" if fixes else "; use more GPUs or a higher ZeRO stage with offload"
-    return f"does not fit: {total:.1f} of {size:.0f} GiB per GPU, {over:.1f} GiB over{hint}"
+    hint = (f"; set {' or '.join(fixes)}" if fixes else
+            "; no one field fits it: more GPUs, a higher ZeRO stage or CPU offload (an accelerate file)")
+    return f"does not fit: {total:.1f} of {size:.0f} GiB per GPU, {total - size:.1f} GiB over{hint}"
 
 
 @dataclass(frozen=True)
@@ -207,9 +220,9 @@ class IterationLoad:
 
 def gpu_seconds_bound(shape: ModelShape, load: IterationLoad, gpus: int, tflops: float = SUSTAINED_TFLOPS,
                       gradient_checkpointing: bool = True) -> float:
-    """A lower bound on an iteration's GPU time: ~2 x N FLOPs a generated, prefilled or scored token, 6 x N a
-    trained one (8 x N with checkpointing's recomputed forward), at `tflops` sustained per GPU. A bound, not a
-    forecast: decoding is memory-bound, environments and the weight sync to vLLM come on top."""
+    """A lower bound on the GPU time of an iteration of `load`: ~2 x N FLOPs a generated, prefilled or scored
+    token, 6 x N a trained one (8 x N with checkpointing's recomputed forward), at `tflops` sustained per GPU. A
+    bound, not a forecast: decoding is memory-bound, environments and the weight sync to vLLM come on top."""
     n = shape.parameters
     flops = 2 * n * (load.generated_tokens + load.prompt_tokens + load.scored_tokens) \
         + (8 if gradient_checkpointing else 6) * n * load.trained_tokens

@@ -11,13 +11,17 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from hgpo_trl.arguments import TINY, ConfigError, RehearsalArguments, parse_sections
+from hgpo_trl.arguments import TINY, ConfigError, RehearsalArguments, flag_value, parse_sections
+from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rehearsal.launch import (
+    LaunchFile,
+    RehearsalError,
     build_model,
     cpu_launch_file,
     free_port,
@@ -38,13 +42,14 @@ from hgpo_trl.rehearsal.projection import (
 from hgpo_trl.rehearsal.report import (
     files_saved,
     iteration_counters,
+    json_ready,
     projected_prompt_tokens,
     read_state,
-    rounded,
     table,
     token_lengths,
     trained_once,
 )
+from hgpo_trl.rehearsal.shapes import ModelShape
 
 CPU_OPTIONS = ["--use_vllm", "false", "--bf16", "false", "--use_cpu", "true"]
 OWN_OPTIONS = {"--rehearse": 0, "--rehearse_tokenizer": 1, "--gpu_memory_gib": 1}
@@ -61,7 +66,7 @@ def without_own_options(argv: list[str]) -> list[str]:
         if name in OWN_OPTIONS:
             if "=" not in arg:
                 skip = OWN_OPTIONS[name]
-                if name == "--rehearse" and i + 1 < len(argv) and argv[i + 1].lower() in ("true", "false", "1", "0"):
+                if name == "--rehearse" and i + 1 < len(argv) and flag_value(argv[i + 1]) is not None:
                     skip = 1
             continue
         kept.append(arg)
@@ -69,15 +74,13 @@ def without_own_options(argv: list[str]) -> list[str]:
 
 
 def user_value(argv: list[str], name: str, default: Any) -> Any:
-    """A field as the user set it (the command line over the YAML), read before the CPU options replace it."""
-    for i, arg in enumerate(argv):
-        if arg == f"--{name}" and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(f"--{name}="):
-            value = arg.split("=", 1)[1]
-        else:
-            continue
-        return yaml.safe_load(value)
+    """A field as the user set it: the command line's last value (as the parser reads it), else the YAML's; read
+    before the CPU options replace it."""
+    values = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == f"--{name}"]
+    values += [arg.split("=", 1)[1] for arg in argv if arg.startswith(f"--{name}=")]
+    if values:
+        text = values[-1]
+        return flag if (flag := flag_value(text)) is not None else yaml.safe_load(text)
     if "--config" in argv:
         config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text()) or {}
         return config.get(name, default)
@@ -85,8 +88,8 @@ def user_value(argv: list[str], name: str, default: Any) -> Any:
 
 
 def find_tokenizer(name: str, folder: str | None):
-    """The real model's tokenizer, offline: `folder` (--rehearse_tokenizer), the model folder's own, or the
-    Hugging Face cache's for hub id `name`; else one line saying which to give."""
+    """The real model's tokenizer, offline: `folder` (--rehearse_tokenizer) when given, else the Hugging Face
+    cache's for `name` (or the model folder's own); else one line saying which to give."""
     from transformers import AutoTokenizer
 
     from hgpo_trl.tiny import load_tokenizer_folder
@@ -95,7 +98,8 @@ def find_tokenizer(name: str, folder: str | None):
         try:
             return load_tokenizer_folder(folder)
         except ValueError as err:
-            raise ConfigError(f"RehearsalArguments.rehearse_tokenizer: {str(err).split(': ', 1)[1]}") from None
+            raise ConfigError(f"RehearsalArguments.rehearse_tokenizer: {folder} is not a tokenizer folder ({err})") \
+                from None
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError):
@@ -104,15 +108,67 @@ def find_tokenizer(name: str, folder: str | None):
                           "Qwen2.5, ../shared/data/qwen3-tokenizer for Qwen3)") from None
 
 
+@dataclass
+class Rehearsal:
+    """What a rehearsal was asked and set up: the user's command line and config, the launch, the changes."""
+
+    argv: list[str]
+    config_file: str | None
+    launch_file: LaunchFile
+    args: HGPOConfig  # the user's fields, but for CPU_OPTIONS'
+    model_args: Any
+    evaluates: bool
+    changes: list
+    shape: ModelShape | None  # None: a tiny model config (nothing to project)
+    folder: Path
+    gpu_gib: float
+
+    @property
+    def run_dir(self) -> Path:
+        return self.folder / "run"
+
+
 def rehearse(argv: list[str]) -> dict[str, Any]:
     """Rehearse the run `argv` describes (train.py's command line, with or without --rehearse); the report,
     also written to its folder's rehearsal.json."""
-    from hgpo_trl.rehearsal.shapes import model_shape
+    from transformers.trainer_utils import get_last_checkpoint
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("--rehearse launches its own processes: run it with python train.py, not under "
                           "accelerate launch or torchrun")
-    argv = list(argv)
+    plan, tokenizer = prepare(list(argv))
+    base = [*without_own_options(plan.argv), *CPU_OPTIONS, *as_options(plan.changes), "--output_dir",
+            str(plan.run_dir), "--disable_tqdm", "true"]
+    if plan.shape is not None:
+        base += ["--model_name_or_path", str(build_model(plan.shape, tokenizer, plan.folder / "model")),
+                 "--dtype", "float32"]
+    launch_file, machines = plan.folder / "accelerate.yaml", plan.launch_file.machines
+    launch_file.write_text(yaml.safe_dump(cpu_launch_file(plan.launch_file, free_port()), sort_keys=False))
+    print(f"rehearsal: {plan.launch_file.processes} processes ({machines} machine(s)) under {launch_file}; logs in "
+          f"{plan.folder}", flush=True)
+    first = launch(launch_file, machines, base, plan.folder / "launch1.log")
+    checkpoint = get_last_checkpoint(str(plan.run_dir))
+    if checkpoint is None:
+        raise RehearsalError(f"the rehearsal's first launch ended without a checkpoint in {plan.run_dir} (its logs: "
+                             f"{plan.folder}/launch1*.log)")
+    print(f"rehearsal: iterations 1-{FIRST_LAUNCH_ITERATIONS} in {first:.0f} s; resuming from "
+          f"{Path(checkpoint).name}", flush=True)
+    second = launch(launch_file, machines, [*base, "--train_iterations", str(ITERATIONS), "--resume_from_checkpoint",
+                                            checkpoint], plan.folder / "launch2.log")
+    launches = [{"name": f"1 (iterations 1-{FIRST_LAUNCH_ITERATIONS})", "wall_s": first},
+                {"name": f"2 (iteration {ITERATIONS}, resumed from {Path(checkpoint).name})", "wall_s": second}]
+    report = build_report(plan, launches, Path(checkpoint).name)
+    (plan.folder / "rehearsal.json").write_text(json.dumps(json_ready(report), indent=2))
+    print(table(report), flush=True)
+    print(f"rehearsal: {'passed' if passed(report) else 'FAILED'}; {plan.folder / 'rehearsal.json'}", flush=True)
+    return report
+
+
+def prepare(argv: list[str]) -> tuple[Rehearsal, Any]:
+    """The rehearsal of `argv`, checked before anything is written (the config, its launch file, the model's
+    shape and tokenizer), with its folder made ready; and the real tokenizer."""
+    from hgpo_trl.rehearsal.shapes import model_shape
+
     options, env_args, args, model_args = parse_sections([*argv, *CPU_OPTIONS], (RehearsalArguments,), "train.py")
     config_file = argv[argv.index("--config") + 1] if "--config" in argv else None
     launch_file = read_launch_file(args.accelerate_config, config_file)
@@ -123,124 +179,103 @@ def rehearse(argv: list[str]) -> dict[str, Any]:
     changes = rehearsal_changes(args, processes, os.cpu_count() or 1,
                                 num_eval_tasks=env_args.num_eval_tasks if env_args.eval_split else processes,
                                 warmstart_steps=env_args.warmstart_steps)
-    out = Path(f"{args.output_dir.rstrip('/')}-rehearsal")
-    name = model_args.model_name_or_path
     shape, tokenizer = None, None
-    model_options: list[str] = []
-    if name != TINY:
+    if model_args.model_name_or_path != TINY:
         try:
-            shape = model_shape(name)
+            shape = model_shape(model_args.model_name_or_path)
         except ValueError as err:
             raise ConfigError(f"ModelConfig.model_name_or_path: {err}") from None
-        tokenizer = find_tokenizer(name, options.rehearse_tokenizer)
-    prepare_folder(out)
-    if shape is not None:
-        model_options = ["--model_name_or_path", str(build_model(shape, tokenizer, out / "model")),
-                         "--dtype", "float32"]
-    port = free_port()
-    (out / "accelerate.yaml").write_text(yaml.safe_dump(cpu_launch_file(launch_file, port), sort_keys=False))
-    run_dir = out / "run"
-    base = [*without_own_options(argv), *CPU_OPTIONS, *as_options(changes), *model_options, "--output_dir", str(run_dir),
-            "--disable_tqdm", "true"]
-    print(f"rehearsal: {processes} processes ({machines} machine(s)) under {out / 'accelerate.yaml'}; logs in {out}",
-          flush=True)
-    launches = [{"name": f"1 (iterations 1-{FIRST_LAUNCH_ITERATIONS})",
-                 "wall_s": launch(out / "accelerate.yaml", machines, base, out / "launch1.log")}]
-    from transformers.trainer_utils import get_last_checkpoint
-
-    checkpoint = get_last_checkpoint(str(run_dir))
-    if checkpoint is None:
-        raise ConfigError(f"the rehearsal's first launch saved no checkpoint in {run_dir} (see {out}/launch1.log)")
-    print(f"rehearsal: iterations 1-{FIRST_LAUNCH_ITERATIONS} in {launches[0]['wall_s']:.0f} s; resuming from "
-          f"{Path(checkpoint).name}", flush=True)
-    resumed = [*base, "--train_iterations", str(ITERATIONS), "--resume_from_checkpoint", checkpoint]
-    launches.append({"name": f"2 (iteration {ITERATIONS}, resumed from {Path(checkpoint).name})",
-                     "wall_s": launch(out / "accelerate.yaml", machines, resumed, out / "launch2.log")})
-    report = build_report(argv, config_file, launch_file, args, model_args, changes, shape, run_dir, launches,
-                          Path(checkpoint).name, options.gpu_memory_gib)
-    (out / "rehearsal.json").write_text(json.dumps(rounded(report), indent=2))
-    print(table(report), flush=True)
-    print(f"rehearsal: {'passed' if all(report['checks'].values()) else 'FAILED'}; {out / 'rehearsal.json'}",
-          flush=True)
-    return report
+        tokenizer = find_tokenizer(model_args.model_name_or_path, options.rehearse_tokenizer)
+    evaluates = env_args.eval_split is not None and any(c.name == "eval_every_iterations" for c in changes)
+    folder = Path(f"{args.output_dir.rstrip('/')}-rehearsal")
+    prepare_folder(folder)
+    return Rehearsal(argv, config_file, launch_file, args, model_args, evaluates, changes, shape, folder,
+                     options.gpu_memory_gib), tokenizer
 
 
-def build_report(argv, config_file, launch_file, args, model_args, changes, shape, run_dir: Path, launches,
-                 checkpoint: str, gpu_gib: float) -> dict[str, Any]:
-    state = read_state(run_dir)
-    history = state.get("log_history", [])
+def passed(report: dict[str, Any]) -> bool:
+    """Every check that applies holds (None: does not apply to this config)."""
+    return all(ok is not False for ok in report["checks"].values())
+
+
+def build_report(plan: Rehearsal, launches: list[dict[str, Any]], checkpoint: str) -> dict[str, Any]:
+    args, launch_file = plan.args, plan.launch_file
+    history = read_state(plan.run_dir).get("log_history", [])
     rows = iteration_counters(history, launch_file.processes)
     evaluations = [{"iteration": h.get("iteration"), "success_rate": h["eval_success_rate"]}
                    for h in history if "eval_success_rate" in h]
-    files = files_saved(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text()) if files["summary"] else {}
+    files = files_saved(plan.run_dir)
+    # The resumed launch played iteration 3 alone (a run started over would have logged iteration 1 again).
+    resumed_logs = "".join(p.read_text(errors="replace") for p in plan.folder.glob("launch2*.log"))
+    all_steps = args.step_batching == "all_steps"
     checks = {
-        "every collected step trained once": trained_once(rows, args.num_iterations),
+        "every collected step trained once": trained_once(rows, args.num_iterations) if all_steps else None,
         "two optimizer steps or more an iteration": bool(rows) and all(r.get("optimizer_steps", 0) >= 2 for r in rows),
-        "a padded micro-batch": any(r.get("padded_fraction", 0) > 0 or r.get("duplicated", 0) > 0 for r in rows),
-        "resumed to iteration 3": [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1))
-        and summary.get("iterations") == ITERATIONS,
-        "evaluated": bool(evaluations),
+        "a padded micro-batch": any(r.get("padded_fraction", 0) > 0 or r.get("duplicated", 0) > 0 for r in rows)
+        if all_steps else None,
+        "resumed for iteration 3": [r["iteration"] for r in rows] == list(range(1, ITERATIONS + 1))
+        and f"[iter {ITERATIONS:>4}]" in resumed_logs and "[iter    1]" not in resumed_logs,
+        "evaluated at the cadence": any(e["iteration"] == FIRST_LAUNCH_ITERATIONS for e in evaluations)
+        if plan.evaluates else None,
         "saved model, card, checkpoints": files["model"] and files["model_card"] and bool(files["checkpoints"]),
     }
-    real_bf16 = user_value(argv, "bf16", None) is not False
     report: dict[str, Any] = {
-        "run": {"config": config_file, "accelerate_config": launch_file.path, "processes": launch_file.processes,
-                "machines": launch_file.machines,
+        "run": {"config": plan.config_file, "accelerate_config": launch_file.path,
+                "processes": launch_file.processes, "machines": launch_file.machines,
                 "distribution": (f"DeepSpeed ZeRO-{launch_file.zero_stage}"
                                  + (", optimizer offload" if launch_file.offloads("optimizer") else "")
                                  + (", parameter offload" if launch_file.offloads("param") else ""))
-                if launch_file.deepspeed else launch_file.settings.get("distributed_type", "NO"),
-                "model": model_args.model_name_or_path,
-                "twin": "tiny" if shape is None else "2 layers, hidden 64, the real embedding rows",
+                if launch_file.uses_deepspeed else launch_file.settings.get("distributed_type", "NO"),
+                "model": plan.model_args.model_name_or_path,
+                "twin": "tiny" if plan.shape is None else "2 layers, hidden 64, the real embedding rows",
                 "estimator": args.estimator, "step_batching": args.step_batching,
-                "lora": bool(model_args.use_peft), "beta": args.beta,
+                "lora": bool(plan.model_args.use_peft), "beta": args.beta,
                 "gradient_checkpointing": args.gradient_checkpointing},
-        "replaced": [{"field": c.name, "config": c.before, "rehearsal": c.after, "why": c.why} for c in changes],
+        "replaced": [{"field": c.name, "config": c.before, "rehearsal": c.after, "why": c.why} for c in plan.changes],
         "launches": launches, "resumed_from": checkpoint, "iterations": rows, "evaluations": evaluations,
-        "files": files, "checks": checks, "tokens": token_lengths(run_dir),
+        "files": files, "checks": checks, "tokens": token_lengths(plan.run_dir),
         "sizes": {"max_prompt_tokens": args.max_prompt_tokens, "history_length": args.history_length,
                   "max_completion_length": args.max_completion_length},
     }
-    if shape is not None and report["tokens"]:
+    if plan.shape is not None and report["tokens"]:
         report["sizes"]["projected_prompt_tokens"] = projected_prompt_tokens(report["tokens"], args.history_length,
                                                                               args.max_prompt_tokens)
-        report["projection"] = projection(argv, args, model_args, shape, launch_file, report, real_bf16, gpu_gib)
+        report["projection"] = projection(plan, report)
     return report
 
 
-def projection(argv, args, model_args, shape, launch_file, report, bf16: bool, gpu_gib: float) -> dict[str, Any]:
-    """The real run's memory per device and per machine, its iteration at full scale and a GPU-time bound."""
-    micro = args.per_device_train_batch_size
-    completion = report["sizes"]["max_completion_length"] or 256
-    prompt = report["sizes"]["projected_prompt_tokens"]
-    # (args holds the user's values but for CPU_OPTIONS' use_vllm, bf16 and use_cpu)
-    colocated = bool(user_value(argv, "use_vllm", False)) and args.vllm_mode == "colocate"
-    sleeps = args.vllm_enable_sleep_mode
-    place = Placement(processes=launch_file.processes, zero_stage=launch_file.zero_stage,
+def projection(plan: Rehearsal, report: dict[str, Any]) -> dict[str, Any]:
+    """The real run's memory per device and per machine, its largest iteration and a GPU-time bound for it."""
+    args, model_args, shape, launch_file = plan.args, plan.model_args, plan.shape, plan.launch_file
+    micro, processes = args.per_device_train_batch_size, launch_file.processes
+    completion = args.max_completion_length or 256
+    colocated = bool(user_value(plan.argv, "use_vllm", False)) and args.vllm_mode == "colocate"
+    place = Placement(processes=processes, zero_stage=launch_file.zero_stage,
                       offload_optimizer=launch_file.offloads("optimizer"), offload_param=launch_file.offloads("param"),
-                      bf16=bf16, processes_per_machine=launch_file.processes // launch_file.machines)
+                      bf16=user_value(plan.argv, "bf16", None) is not False,
+                      processes_per_machine=processes // launch_file.machines, deepspeed=launch_file.uses_deepspeed)
     trainable = lora_parameters(shape, model_args.lora_r, model_args.lora_target_modules) if model_args.use_peft \
         else None
-    work = Workload(micro_batch=micro, prompt_tokens=prompt, completion_tokens=completion,
-                    gradient_checkpointing=args.gradient_checkpointing,
+    work = Workload(micro_batch=micro, prompt_tokens=report["sizes"]["projected_prompt_tokens"],
+                    completion_tokens=completion, gradient_checkpointing=args.gradient_checkpointing,
                     reference=args.beta != 0.0 and not model_args.use_peft, trainable=trainable,
                     weight_bytes=2 if model_args.dtype in ("bfloat16", "float16") else 4,
-                    vllm_share=args.vllm_gpu_memory_utilization if colocated and not sleeps else 0.0)
-    memory = project_memory(shape, place, work, gpu_gib)
-    steps = args.tasks_per_device * launch_file.processes * args.num_generations * args.max_env_steps  # the bound
-    per_process = steps / launch_file.processes
-    accumulation = (args.mini_batch_size // (micro * launch_file.processes) if args.mini_batch_size
+                    vllm_share=args.vllm_gpu_memory_utilization if colocated and not args.vllm_enable_sleep_mode
+                    else 0.0)
+    memory = project_memory(shape, place, work, plan.gpu_gib)
+    # The largest iteration: every episode to its step limit, every completion to its cap.
+    steps = args.tasks_per_device * processes * args.num_generations * args.max_env_steps
+    accumulation = (args.mini_batch_size // (micro * processes) if args.mini_batch_size
                     else args.gradient_accumulation_steps)
-    windows = math.ceil(math.ceil(per_process / micro) / max(accumulation, 1))
+    windows = math.ceil(math.ceil(steps / processes / micro) / max(accumulation, 1))
     prompt_mean = report["tokens"]["prompt"]["mean"]
-    trained = steps * (prompt_mean + completion) * args.num_iterations
     passes = (windows * args.num_iterations > 1) + work.reference  # old and reference log-probabilities
     load = IterationLoad(step_samples=steps, optimizer_steps=windows * args.num_iterations,
                          generated_tokens=steps * completion, prompt_tokens=steps * prompt_mean,
-                         scored_tokens=passes * steps * (prompt_mean + completion), trained_tokens=trained)
-    return {"gpu": memory.gpu, "gpu_total": memory.gpu_total, "gpu_gib": gpu_gib,
+                         scored_tokens=passes * steps * (prompt_mean + completion),
+                         trained_tokens=steps * (prompt_mean + completion) * args.num_iterations)
+    return {"gpu": memory.gpu, "gpu_total": memory.gpu_total, "gpu_gib": plan.gpu_gib,
             "verdict": verdict(memory, shape, place, work), "host": memory.host, "assumptions": memory.assumptions,
             "iteration": load.__dict__, "iterations": args.train_iterations or 1,
-            "gpu_seconds_bound": gpu_seconds_bound(shape, load, launch_file.processes,
+            "gpu_seconds_bound": gpu_seconds_bound(shape, load, processes,
                                                    gradient_checkpointing=args.gradient_checkpointing)}

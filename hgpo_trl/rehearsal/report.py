@@ -101,13 +101,15 @@ def table(report: dict[str, Any]) -> str:
                      f"{100 * row.get('padded_fraction', 0):.0f} %"))
     checks = report["checks"]
     for name, ok in checks.items():
-        rows.append((f"check: {name.replace('_', ' ')}", "yes" if ok else "NO"))
+        rows.append((f"check: {name}", "n/a" if ok is None else "yes" if ok else "NO"))
     lengths = report.get("tokens") or {}
     if lengths:
         p, c = lengths["prompt"], lengths["completion"]
+        projected = report["sizes"].get("projected_prompt_tokens")
         rows.append(("prompt tokens", f"mean {p['mean']:.0f}, p95 {p['p95']:.0f}, max {p['max']:.0f} "
-                                      f"(max_prompt_tokens {report['sizes']['max_prompt_tokens']}; projected longest "
-                                      f"at full history {report['sizes']['projected_prompt_tokens']:.0f})"))
+                                      f"(max_prompt_tokens {report['sizes']['max_prompt_tokens']}"
+                                      + (f"; projected longest at full history {projected:.0f})" if projected
+                                         else ")")))
         rows.append(("completion tokens", f"mean {c['mean']:.0f}, max {c['max']:.0f} (the rehearsal's cap; the "
                                           f"real run's max_completion_length {report['sizes']['max_completion_length']})"))
     projection = report.get("projection")
@@ -118,24 +120,24 @@ def table(report: dict[str, Any]) -> str:
         for part, gib in projection["host"].items():
             rows.append((f"host: {part}", f"{gib:.1f} GiB per machine"))
         load = projection["iteration"]
-        rows.append(("full-scale iteration", f"<= {load['step_samples']:.0f} step samples, <= "
+        rows.append(("largest iteration", f"<= {load['step_samples']:.0f} step samples, <= "
                                              f"{load['optimizer_steps']:.0f} optimizer steps, <= "
                                              f"{load['generated_tokens'] / 1e6:.1f}M generated and "
                                              f"{load['trained_tokens'] / 1e6:.1f}M trained tokens"))
-        rows.append(("GPU time bound", f">= {projection['gpu_seconds_bound']:.0f} s an iteration "
-                                       f"({projection['iterations']} iterations: >= "
+        rows.append(("GPU time bound", f">= {projection['gpu_seconds_bound']:.0f} s for that iteration "
+                                       f"({projection['iterations']} of them: >= "
                                        f"{projection['gpu_seconds_bound'] * projection['iterations'] / 3600:.1f} h; "
-                                       "a bound, not a forecast)"))
+                                       "a bound, not a forecast; shorter episodes scale it down)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def rounded(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
     """JSON-friendly: floats to 4 significant digits, recursively."""
     if isinstance(value, float):
         return value if not math.isfinite(value) or value == 0 else float(f"{value:.4g}")
     if isinstance(value, dict):
-        return {str(k): rounded(v) for k, v in value.items()}
+        return {str(k): json_ready(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [rounded(v) for v in value]
+        return [json_ready(v) for v in value]
     return value
