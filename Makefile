@@ -79,7 +79,7 @@ demo: $(VENV)/.installed-$(DEMO_EXTRAS)
 # A GPU config rehearsed on this machine's CPUs under its own accelerate file (docs/rehearsal.md), with the real
 # tokenizer from ../shared (Qwen3 configs: REHEARSE_TOKENIZER=$(SHARED)/qwen3-tokenizer) and its ALFWorld games:
 # `make rehearse CONFIG=configs/webshop/hgpo_k4_qwen2.5-7b.yaml`. rehearse-all: every paper config, one after
-# the other, each one's wall time on its last line (docs/results.md has them).
+# the other, each one's wall time on its last line (docs/results.md has those measured so far).
 SHARED := $(abspath ..)/shared/data
 CONFIG ?= configs/alfworld/hgpo_k4_qwen2.5-1.5b.yaml
 REHEARSE_TOKENIZER ?= $(SHARED)/qwen2.5-tokenizer

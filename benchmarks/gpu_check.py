@@ -7,7 +7,8 @@ comes from the command line. It trains on keydoor (and one iteration on ALFWorld
 --alfworld games are there) with transformers generation, and once more with vLLM colocated when vllm imports;
 bf16 compute over fp32 master weights, gradient checkpointing, step_batching all_steps, the paper's KL. Random
 weights never emit <|im_end|>, so every completion runs to --completion-tokens and every episode to --env-steps.
-Prints per backend: generation tokens/s, the iteration's time split, peak GPU memory, the loss (must be finite),
+Prints per backend: generation tokens/s, the iteration's time split, peak GPU memory beside what the rehearsal's
+projection (hgpo_trl.rehearsal.projection, docs/rehearsal.md) says for this run, the loss (must be finite),
 and with vLLM the mean importance ratio between vLLM's and the trainer's log-probabilities (near 1 when the
 weights are synced). Without CUDA it says so and exits 0. README's "GPU check" says how to bring the packages.
 """
@@ -38,6 +39,9 @@ def check(model_folder: Path, tokenizer, *, env_name: str, env_kwargs: dict | No
     import torch
 
     from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.rehearsal.projection import Placement, Workload, project_memory
+    from hgpo_trl.rehearsal.report import token_lengths
+    from hgpo_trl.rehearsal.shapes import model_shape
     from hgpo_trl.trainer import HGPOTrainer
 
     on_gpu = device == "cuda"
@@ -51,12 +55,19 @@ def check(model_folder: Path, tokenizer, *, env_name: str, env_kwargs: dict | No
             train_iterations=iterations, learning_rate=1e-6, beta=0.01, bf16=on_gpu,
             gradient_checkpointing=True, use_vllm=use_vllm, vllm_mode="colocate",
             vllm_gpu_memory_utilization=0.3, report_to="none", disable_tqdm=True, save_strategy="no",
-            logging_steps=1, use_cpu=not on_gpu, seed=0)
+            logging_steps=1, use_cpu=not on_gpu, seed=0, trajectory_dump_every=1)
         trainer = HGPOTrainer(model=str(model_folder), args=args, processing_class=tokenizer, train_dataset=tasks)
         start = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - start
         trainer.close_environments()
+        lengths = token_lengths(Path(out))  # the rehearsal's reading of the trajectory dumps
+    # What the rehearsal's projection says this run needs, beside what CUDA measured (its runtime aside: CUDA's
+    # peak counts PyTorch's allocations only): the projection's check on a GPU.
+    work = Workload(micro_batch=args.per_device_train_batch_size, prompt_tokens=lengths["prompt"]["max"],
+                    completion_tokens=completion_tokens, reference=True, vllm_share=0.3 if use_vllm else 0.0)
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if on_gpu else 80.0
+    projected = project_memory(model_shape(str(model_folder)), Placement(1, bf16=on_gpu, deepspeed=False), work, gpu_gib)
     history = trainer.state.log_history
     rollout = [h for h in history if "time/generation" in h][-1]
     losses = [h["loss"] for h in history if "loss" in h]
@@ -68,6 +79,7 @@ def check(model_folder: Path, tokenizer, *, env_name: str, env_kwargs: dict | No
             "steps": rollout["steps/collected"], "optimizer_steps": rollout["steps/optimizer_steps"],
             "loss": losses[-1], "loss_finite": all(math.isfinite(v) for v in losses),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+            "projected_gpu_gib": projected.gpu_total - projected.gpu["runtime"],
             "importance_ratio_mean": rollout.get("sampling/importance_sampling_ratio/mean")}
 
 
@@ -77,7 +89,8 @@ def report(result: dict) -> str:
     return (f"{result['backend']:<13}{result['env']:<9} {result['generation_tokens_per_s']:>9.0f} tok/s  "
             f"gen {result['generation_s']:.1f}s env {result['env_s']:.1f}s adv {1e3 * result['advantages_s']:.0f}ms "
             f"train {result['training_s']:.1f}s ({result['optimizer_steps']:.0f} optimizer steps, "
-            f"{result['steps']:.0f} steps)  peak {'-' if peak is None else f'{peak:.1f} GiB'}  "
+            f"{result['steps']:.0f} steps)  peak {'-' if peak is None else f'{peak:.1f} GiB'} (projected "
+            f"{result['projected_gpu_gib']:.1f})  "
             f"loss {result['loss']:.4g} ({'finite' if result['loss_finite'] else 'NOT FINITE'})"
             + ("" if ratio is None else f"  importance ratio {ratio:.3f}"))
 

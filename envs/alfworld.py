@@ -278,8 +278,8 @@ class AlfWorldEnv:
     `state_key="observation"` keys states by the observation text (what the papers group on); `"facts"` by a
     hash of the engine's true state (the sorted TextWorld facts). `expert=True` adds the handcoded expert's next
     action as `info["expert_action"]` (alfworld's expert breaks ties with Python's global `random`). On a
-    2-core machine a reset into a new game takes 2-3 s (grammar parsing and PDDL grounding), restarting the
-    same game 0.2-1.2 s, a step ~90 ms.
+    2-core machine a reset into a new game takes 2-3 s (grammar parsing and PDDL grounding), ~1 s when another
+    environment of the process translated that game already (`_remember_translations`), a step ~90 ms.
     """
 
     def __init__(self, split: str = "train", data_path: str | os.PathLike | None = None, expert: bool = False,

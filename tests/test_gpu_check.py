@@ -39,6 +39,7 @@ def test_the_check_runs_on_a_scaled_down_model_on_the_cpu(tmp_path):
     assert result["loss_finite"] and result["generation_tokens_per_s"] > 0 and result["optimizer_steps"] >= 1
     assert result["importance_ratio_mean"] is None and result["peak_gpu_gib"] is None
     assert "tok/s" in gpu_check.report(result) and "finite" in gpu_check.report(result)
+    assert 0 < result["projected_gpu_gib"] < 1 and "(projected 0." in gpu_check.report(result)
 
 
 @pytest.mark.slow

@@ -139,7 +139,7 @@ def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib:
     stage, deepspeed = place.zero_stage, place.uses_deepspeed
     compute = 2 if deepspeed and place.bf16 else work.weight_bytes  # DeepSpeed holds bf16 weights
     weights = n * compute + (2 * n if place.bf16 and not deepspeed and work.weight_bytes == 4 else 0)
-    grads = trainable * compute * (1 if deepspeed else 2)  # DDP: the gradients and its buckets
+    grads = trainable * compute * (2 if not deepspeed and p > 1 else 1)  # DDP: the gradients and its buckets
     master = trainable * 4 if deepspeed and place.bf16 else 0  # fp32 gradient partition (ZeRO: sharded)
     optimizer = trainable * (12 if deepspeed and place.bf16 else 8)
     reference = n * compute if work.reference else 0
