@@ -210,6 +210,9 @@ def test_lora_and_the_time_bound_by_hand():
     shape = SHAPES["Qwen/Qwen2.5-1.5B-Instruct"]
     # q_proj (1536 -> 1536) and v_proj (1536 -> 256) of 28 layers at rank 16.
     assert lora_parameters(shape, 16, None) == 28 * 16 * ((1536 + 1536) + (1536 + 256))
+    assert lora_parameters(shape, 16, ".*(q|v)_proj") == lora_parameters(shape, 16, ["q_proj", "v_proj"])
+    assert lora_parameters(shape, 8, "all-linear") == 28 * 8 * (2 * 1536 + 2 * (1536 + 256) + 2 * 1536
+                                                                 + 3 * (1536 + 8960))
     load = IterationLoad(step_samples=10, optimizer_steps=1, generated_tokens=1e6, prompt_tokens=2e6,
                          scored_tokens=3e6, trained_tokens=4e6)
     flops = 2 * N15 * 6e6 + 8 * N15 * 4e6

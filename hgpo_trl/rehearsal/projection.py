@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 from hgpo_trl.rehearsal.shapes import SHAPES, ModelShape
@@ -124,12 +125,18 @@ def activation_gib(shape: ModelShape, work: Workload, bf16: bool) -> tuple[float
 
 def lora_parameters(shape: ModelShape, rank: int, targets: list[str] | str | None) -> int:
     """LoRA's trainable parameters: rank x (inputs + outputs) of each targeted projection of every layer (PEFT's
-    default for Qwen: q_proj and v_proj; "all-linear": all seven)."""
+    default for Qwen: q_proj and v_proj; "all-linear": all seven; a string: a regular expression)."""
     q, kv, h, i = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden, shape.intermediate
     sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h, "gate_proj": h + i,
              "up_proj": h + i, "down_proj": i + h}
-    names = list(sizes) if targets in ("all-linear", ["all-linear"]) else (targets or ["q_proj", "v_proj"])
-    return shape.layers * rank * sum(sizes[n] for n in names if n in sizes)
+    if targets in ("all-linear", ["all-linear"]):
+        names = list(sizes)
+    elif isinstance(targets, str):  # PEFT matches a string as a regular expression on the module's full name
+        names = [n for n in sizes if re.fullmatch(targets, f"model.layers.0.self_attn.{n}")
+                 or re.fullmatch(targets, f"model.layers.0.mlp.{n}")]
+    else:
+        names = [n for n in (targets or ["q_proj", "v_proj"]) if n in sizes]
+    return shape.layers * rank * sum(sizes[n] for n in names)
 
 
 def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib: float = 80.0) -> MemoryProjection:
