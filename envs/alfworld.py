@@ -6,8 +6,8 @@ Each task is one game, named by its `<task folder>/<trial folder>` id. The games
 `reset(row)` loads exactly that game into the TextWorld engine, so the G rollouts of a task start from the same
 game (alfworld's own `AlfredTWEnv` cycles through games in file-system order instead).
 
-Observations, reward (10 on a win) and prompt are those of verl-agent, on which the GiGPO and HGPO results
-were obtained. Needs the `alfworld` extra: `pip install "hgpo-trl[alfworld]"`.
+Reward (10 on a win), prompt and, with `raw_observations=True`, observations are those of verl-agent, on which
+the GiGPO and HGPO results were obtained. Needs the `alfworld` extra: `pip install "hgpo-trl[alfworld]"`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ _BANNER = "-= Welcome to TextWorld, ALFRED! =-"
 _TASK_PREFIX = "Your task is to: "
 _INSTALL = 'pip install "hgpo-trl[alfworld]"'
 
-# verl-agent's templates verbatim (agent_system/environments/prompts/alfworld.py, typo and spaces included), and
-# its action list (quoted, joined by "\n "), so that prompts read as those released checkpoints were trained on.
+# verl-agent's templates verbatim (agent_system/environments/prompts/alfworld.py, spaces included), and its action
+# list (quoted, joined by "\n "), so that prompts read as the released checkpoints were trained on.
 _INSTRUCTION = ("Now it's your turn to take an action.\n"
                 "You should first reason step-by-step about the current situation. This reasoning process MUST "
                 "be enclosed within <think> </think> tags. \n"
@@ -56,7 +56,7 @@ _TEMPLATE_NO_HISTORY = ("\nYou are an expert agent operating in the ALFRED Embod
                         "Your admissible actions of the current situation are: [{actions}].\n\n" + _INSTRUCTION)
 _TEMPLATE = ("\nYou are an expert agent operating in the ALFRED Embodied Environment. Your task is to: {task}\n"
              "Prior to this step, you have already taken {step} step(s). Below are the most recent {length} "
-             "observaitons and the corresponding actions you took: {history}\n"
+             "observations and the corresponding actions you took: {history}\n"
              "You are now at step {current} and your current observation is: {observation}\n"
              "Your admissible actions of the current situation are: [{actions}].\n\n" + _INSTRUCTION)
 
@@ -280,19 +280,25 @@ class AlfWorldEnv:
     action as `info["expert_action"]` (alfworld's expert breaks ties with Python's global `random`). On a
     2-core machine a reset into a new game takes 2-3 s (grammar parsing and PDDL grounding), ~1 s when another
     environment of the process translated that game already (`_remember_translations`), a step ~90 ms.
+    Observations drop TextWorld's banner ("-= Welcome to TextWorld, ALFRED! =-", which tells nothing) and the
+    whitespace around the game's text; `raw_observations=True` shows the game's text exactly as TextWorld writes
+    it, as the release does (the paper configs set it).
     """
 
     def __init__(self, split: str = "train", data_path: str | os.PathLike | None = None, expert: bool = False,
                  state_key: str = "observation", max_steps: int = 50,
-                 cache_dir: str | os.PathLike | None = None):
+                 cache_dir: str | os.PathLike | None = None, raw_observations: bool = False):
         if state_key not in STATE_KEYS:
             raise ValueError(f"state_key must be one of {STATE_KEYS}, got {state_key!r}")
         if not _is_int(max_steps) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+        if not isinstance(raw_observations, bool):
+            raise ValueError(f"raw_observations must be true or false, got {raw_observations!r}")
         self._sources = {split: _source(data_path, split)}
         _import_alfworld()
         self._data_path = data_path
         self.split, self.expert, self.state_key, self.max_steps = split, bool(expert), state_key, int(max_steps)
+        self.raw_observations = raw_observations
         default_cache = Path(os.environ.get("HGPO_TRL_CACHE", "~/.cache/hgpo_trl")) / "alfworld"
         self.cache_dir = Path(cache_dir or default_cache).expanduser()
         self._engine = self._game_file = self._state = self._task = None
@@ -324,8 +330,7 @@ class AlfWorldEnv:
         # Same game: reset alone restarts it (loading again would parse the grammar and ground the PDDL twice).
         self._game_file = game_file
         self._state = self._engine.reset()
-        # The room description and the task; verl-agent also shows TextWorld's banner, which tells nothing.
-        observation = self._state.feedback.replace(_BANNER, "").strip()
+        observation = self._observation()  # the room description and the task
         if _TASK_PREFIX not in observation:
             raise RuntimeError(f"ALFWorld game {task['game_id']!r} shows no task: {observation!r}")
         self._task = observation[observation.index(_TASK_PREFIX) + len(_TASK_PREFIX):].strip()
@@ -344,12 +349,16 @@ class AlfWorldEnv:
         else:
             # Sent as is, admissible or not: the game answers "Nothing happens." to what it cannot do.
             self._state, _, _ = self._engine.step(action)
-            observation = self._state.feedback.strip()
+            observation = self._observation()
             self._won = bool(self._state["won"])
         self._steps += 1
         truncated = not self._won and self._steps >= self.max_steps
         self._done = self._won or truncated
         return observation, WIN_REWARD if self._won else 0.0, self._won, truncated, self._info(observation)
+
+    def _observation(self) -> str:
+        feedback = self._state.feedback
+        return feedback if self.raw_observations else feedback.replace(_BANNER, "").strip()
 
     def _info(self, observation: str) -> Info:
         if self.state_key == "facts":

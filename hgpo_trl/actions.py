@@ -1,9 +1,11 @@
 """From a model's completion to an environment action, or None when the output is not a valid action.
 
-`tags` mode, as released (verl-agent): the model thinks inside `<think>...</think>` and answers inside
-`<action>...</action>`; the action is the text of the first action tag after the reasoning, stripped,
-lower-cased, whitespace folded. `plain` mode (tiny models): the completion's first non-empty line is the
-action (a small model that keeps writing after its answer still answered).
+`tags` mode: the model thinks inside `<think>...</think>` and answers inside `<action>...</action>`; the action
+is the text of the first action tag after the reasoning, stripped, lower-cased, whitespace folded, and an output
+that breaks a rule is no action at all (`parse_action`). `plain` mode (tiny models): the completion's first
+non-empty line is the action (a small model that keeps writing after its answer still answered).
+`project_released` reads an output as verl-agent's projection does (`invalid_action="execute"`): looser about
+where the tags are, and every output yields some text for the environment, a penalised one too.
 Nothing here evaluates or executes the text: it is only searched and sliced.
 """
 
@@ -14,8 +16,9 @@ from collections.abc import Sequence
 
 ACTION_MODES = ("tags", "plain")
 MAX_ACTION_CHARS = 200
-INVALID_TAIL_CHARS = 30  # released: memory keeps the last 30 characters of an invalid output
+INVALID_TAIL_CHARS = 30  # released: an output with no action block becomes its last 30 characters (ALFWorld)
 
+_HAN = re.compile(r"[\u4e00-\u9fff]")  # the released projection's "Chinese characters"
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 _TAGS = re.compile(r"</?(?:action|think)>")
 _SPACES = re.compile(r"\s+")
@@ -100,3 +103,22 @@ def _drop_think_blocks(text: str) -> str:
 def invalid_tail(text: str, chars: int = INVALID_TAIL_CHARS) -> str:
     """What memory keeps of an invalid output, so the model sees what it did: its last characters."""
     return _SPACES.sub(" ", text if isinstance(text, str) else "").strip()[-chars:]
+
+
+def project_released(text: str, tail_chars: int = INVALID_TAIL_CHARS, *, require_think: bool = True,
+                     reject_cjk: bool = True) -> tuple[str, bool]:
+    """verl-agent's projection (`env_package/{alfworld,webshop}/projection.py`): the text the environment
+    receives and whether the output is valid (else penalised). The whole output is lower-cased and searched for
+    the first `<action>` and the first `</action>`, anywhere (inside the reasoning too); the action is the text
+    between them, stripped (empty when the closing tag comes first: valid). Without both tags the output's last
+    `tail_chars` characters are sent instead (invalid). An action is still sent when the output is invalid for
+    lacking `<think>` or `</think>` (case-sensitive; unless `require_think=False`) or for holding a character in
+    U+4E00-U+9FFF (unless `reject_cjk=False`)."""
+    text = text if isinstance(text, str) else ""
+    lowered = text.lower()
+    start, end = lowered.find("<action>"), lowered.find("</action>")
+    if start == -1 or end == -1:
+        return lowered[-tail_chars:] if tail_chars > 0 else "", False
+    thought = not require_think or ("<think>" in text and "</think>" in text)
+    valid = thought and not (reject_cjk and _HAN.search(text))
+    return lowered[start + len("<action>"):end].strip(), valid

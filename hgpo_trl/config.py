@@ -22,7 +22,7 @@ from hgpo_trl.advantages import ESTIMATORS, estimator_options
 from hgpo_trl.advantages.groups import DDOFS, NORMS
 from hgpo_trl.advantages.grpo import EPISODE_STATS
 from hgpo_trl.advantages.hgpo import WEIGHTINGS
-from hgpo_trl.envs.registry import prompt_has_format
+from hgpo_trl.envs.registry import invalid_tail_chars, prompt_has_format
 from hgpo_trl.rollout import INVALID_ACTIONS, RolloutSettings
 from hgpo_trl.step_batches import FILLS, STEP_BATCHINGS
 
@@ -106,7 +106,10 @@ class HGPOConfig(GRPOConfig):
     reject_cjk: bool = field(default=True, metadata={"help": "Treat outputs with CJK characters as invalid."})
     invalid_action: str = field(
         default="noop", metadata={"help": "What an invalid output does: 'noop' (the env does nothing, the episode "
-                                          "goes on) or 'end_episode' (the episode ends as failed)."})
+                                          "goes on), 'end_episode' (the episode ends as failed) or 'execute' (as "
+                                          "released, verl-agent's projection: tags are found anywhere, a penalised "
+                                          "output's action is still sent, an output with no action block sends "
+                                          "its last characters; tags mode only)."})
     invalid_penalty: float = field(default=0.1, metadata={"help": "Return penalty of each invalid step."})
     admissible_only: bool = field(
         default=False, metadata={"help": "Count an action outside the environment's admissible list as invalid "
@@ -311,6 +314,8 @@ class HGPOConfig(GRPOConfig):
             ("train_iterations", self.train_iterations is None or self.train_iterations >= 1, "None or >= 1"),
             ("action_mode", self.action_mode in ACTION_MODES, f"one of {ACTION_MODES}"),
             ("invalid_action", self.invalid_action in INVALID_ACTIONS, f"one of {INVALID_ACTIONS}"),
+            ("invalid_action", self.invalid_action != "execute" or self.action_mode == "tags",
+             "'noop' or 'end_episode' under action_mode 'plain' ('execute' reads <action> tags, as released)"),
             ("estimator", self.estimator in ESTIMATORS, f"one of {sorted(ESTIMATORS)}"),
             ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
             ("alpha", self.alpha >= 0.0, ">= 0"),
@@ -420,7 +425,7 @@ class HGPOConfig(GRPOConfig):
         return RolloutSettings(
             history_length=self.history_length, max_steps=self.max_env_steps, action_mode=self.action_mode,
             require_think=self.require_think, reject_cjk=self.reject_cjk, invalid_action=self.invalid_action,
-            admissible_only=self.admissible_only,
+            invalid_tail_chars=invalid_tail_chars(self.env_name), admissible_only=self.admissible_only,
             max_prompt_tokens=self.max_prompt_tokens,
             format_instruction="" if self.format_instruction is None and prompt_has_format(self.env_name)
             else self.format_instruction)

@@ -16,13 +16,21 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, invalid_tail, match_admissible, parse_action
+from hgpo_trl.actions import (
+    ACTION_MODES,
+    FORMAT_INSTRUCTIONS,
+    INVALID_TAIL_CHARS,
+    invalid_tail,
+    match_admissible,
+    parse_action,
+    project_released,
+)
 from hgpo_trl.advantages import StepBatch
 from hgpo_trl.envs.base import Info
 from hgpo_trl.envs.pool import EnvBatch, StepResult
 from hgpo_trl.memory import FittedPrompt, Memory, build_prompt, fit_prompt
 
-INVALID_ACTIONS = ("noop", "end_episode")
+INVALID_ACTIONS = ("noop", "end_episode", "execute")
 
 
 @dataclass
@@ -56,17 +64,18 @@ class StepRecord:
     observation: str  # the anchor observation the agent acted on
     prompt: str
     completion: Completion
-    action: str | None  # the parsed action, None when the output was invalid
+    action: str | None  # the action sent to the environment; None: nothing was sent (an invalid output)
     reward: float
     shown_history: int  # (observation, action) pairs the prompt showed
     history_cut: bool = False  # the prompt dropped history to fit the context: HGPO caps the step's levels
     observation_cut: int = 0  # characters cut from the middle of the observation to fit the context
     over_budget: bool = False  # the prompt is over max_prompt_tokens even with nothing left to cut
     rejected: bool = False  # the environment refused the action as an invalid move (its info["invalid_move"])
+    malformed: bool = False  # invalid_action="execute": the output broke the format, its action was sent anyway
 
     @property
     def valid(self) -> bool:
-        return self.action is not None and not self.rejected
+        return self.action is not None and not self.rejected and not self.malformed
 
 
 @dataclass
@@ -91,6 +100,7 @@ class RolloutSettings:
     require_think: bool = True
     reject_cjk: bool = True
     invalid_action: str = "noop"
+    invalid_tail_chars: int = INVALID_TAIL_CHARS  # an invalid output's last characters the memory shows
     admissible_only: bool = False  # an action outside the admissible list counts as invalid
     format_instruction: str | None = None  # None: the action mode's default instruction
     max_prompt_tokens: int | None = None  # prompt budget (memory.fit_prompt); needs run_rollout's count_tokens
@@ -104,6 +114,9 @@ class RolloutSettings:
             self.format_instruction = FORMAT_INSTRUCTIONS[self.action_mode]
         if self.invalid_action not in INVALID_ACTIONS:
             raise ValueError(f"invalid_action must be one of {INVALID_ACTIONS}, got {self.invalid_action!r}")
+        if self.invalid_action == "execute" and self.action_mode != "tags":
+            raise ValueError("invalid_action 'execute' reads the output as the released projection does, from "
+                             f"<action> tags: it needs action_mode 'tags', got {self.action_mode!r}")
         if self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.history_length < 0:
@@ -141,6 +154,20 @@ class Rollout:
         return {"prompt/history_cut": sum(r.history_cut for r in self.steps) / count,
                 "prompt/observation_cut": sum(r.observation_cut > 0 for r in self.steps) / count,
                 "prompt/over_budget": sum(r.over_budget for r in self.steps) / count}
+
+
+def read_action(text: str, settings: RolloutSettings, admissible: Sequence[str]) -> tuple[str | None, bool]:
+    """The action an output sends to the environment (None: nothing) and whether it is sent malformed (penalised
+    but executed: `invalid_action="execute"`, the released projection). With `admissible_only`, an action the
+    environment does not list is invalid: not sent, or under "execute" sent and penalised."""
+    if settings.invalid_action == "execute":
+        action, well_formed = project_released(text, settings.invalid_tail_chars,
+                                               require_think=settings.require_think, reject_cjk=settings.reject_cjk)
+        listed = match_admissible(action, admissible) if settings.admissible_only else action
+        return (action, True) if listed is None else (listed, not well_formed)
+    action = parse_action(text, settings.action_mode, require_think=settings.require_think,
+                          reject_cjk=settings.reject_cjk)
+    return (match_admissible(action, admissible) if settings.admissible_only else action), False
 
 
 def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: int,
@@ -212,13 +239,9 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
         generation_seconds += time.perf_counter() - tick
         if len(completions) != len(prompts):
             raise RuntimeError(f"the policy returned {len(completions)} completions for {len(prompts)} prompts")
-        actions = {}
+        actions, malformed = {}, {}
         for i, completion in zip(active, completions, strict=True):
-            action = parse_action(completion.text, settings.action_mode, require_think=settings.require_think,
-                                  reject_cjk=settings.reject_cjk)
-            if settings.admissible_only:
-                action = match_admissible(action, admissible[i])
-            actions[i] = action
+            actions[i], malformed[i] = read_action(completion.text, settings, admissible[i])
         to_step = {i: a for i, a in actions.items() if a is not None or settings.invalid_action == "noop"}
         tick = time.perf_counter()
         results = envs.step(to_step) if to_step else {}
@@ -234,8 +257,9 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
                                       prompt=fit.text, completion=completion, action=action,
                                       reward=float(result.reward), shown_history=fit.shown_history,
                                       history_cut=fit.history_dropped > 0, observation_cut=fit.observation_cut,
-                                      over_budget=fit.over_budget, rejected=rejected))
-            memories[i].add(escape(observations[i]), escape(action if action is not None else invalid_tail(completion.text)))
+                                      over_budget=fit.over_budget, rejected=rejected, malformed=malformed[i]))
+            shown = action if action is not None else invalid_tail(completion.text, settings.invalid_tail_chars)
+            memories[i].add(escape(observations[i]), escape(shown))
             episode.steps += 1
             episode.total_reward += float(result.reward)
             episode.invalid += not records[-1].valid

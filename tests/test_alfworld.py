@@ -8,13 +8,17 @@ import random
 import re
 import shutil
 import sys
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
+from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.alfworld import NOTHING, TASK_TYPES, _Pack, _source
+from hgpo_trl.envs.pool import InProcessEnvs
+from hgpo_trl.rollout import Completion, run_rollout
 
 DATA = Path(os.environ.get("ALFWORLD_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld")
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"no ALFWorld data at {DATA} (set ALFWORLD_DATA)")
@@ -182,10 +186,63 @@ def test_prompt_is_verl_agents(expert_env):
                                      ["look"], 3)
     assert later.startswith(
         "\nYou are an expert agent operating in the ALFRED Embodied Environment. Your task is to: put a mug in "
-        "desk.\nPrior to this step, you have already taken 3 step(s). Below are the most recent 2 observaitons "
+        "desk.\nPrior to this step, you have already taken 3 step(s). Below are the most recent 2 observations "
         "and the corresponding actions you took: [Observation 2: 'A.', Action 2: 'go to desk 1']\n"
         "[Observation 3: 'B.', Action 3: 'look']\nYou are now at step 4 and your current observation is: C.\n"
         "Your admissible actions of the current situation are: ['look'].\n\nNow it's your turn")
+
+
+# The released prompt (agent_system/environments/prompts/alfworld.py, filled by recipe/hgpo/env_manager.py) of
+# EXPERT_GAMES[2] under the release's own observations: TextWorld's text as written, banner included.
+ROOM = ("-= Welcome to TextWorld, ALFRED! =-\n\nYou are in the middle of a room. Looking quickly around you, you see "
+        "a bed 1, a desk 2, a desk 1, a drawer 6, a drawer 5, a drawer 4, a drawer 3, a drawer 2, a drawer 1, a "
+        "garbagecan 1, a laundryhamper 1, a safe 1, a shelf 6, a shelf 5, a shelf 4, a shelf 3, a shelf 2, and a "
+        "shelf 1.\n\nYour task is to: put some mug on desk.")
+INSTRUCTION = ("Now it's your turn to take an action.\nYou should first reason step-by-step about the current "
+               "situation. This reasoning process MUST be enclosed within <think> </think> tags. \nOnce you've "
+               "finished your reasoning, you should choose an admissible action for current step and present it "
+               "within <action> </action> tags.\n")
+RELEASED_FIRST_PROMPT = (
+    "\nYou are an expert agent operating in the ALFRED Embodied Environment.\nYour current observation is: "
+    + ROOM + "\nYour admissible actions of the current situation are: ['go to bed 1'\n 'go to desk 1'\n 'go to "
+    "desk 2'\n 'go to drawer 1'\n 'go to drawer 2'\n 'go to drawer 3'\n 'go to drawer 4'\n 'go to drawer 5'\n "
+    "'go to drawer 6'\n 'go to garbagecan 1'\n 'go to laundryhamper 1'\n 'go to safe 1'\n 'go to shelf 1'\n "
+    "'go to shelf 2'\n 'go to shelf 3'\n 'go to shelf 4'\n 'go to shelf 5'\n 'go to shelf 6'\n 'inventory'\n "
+    "'look'].\n\n" + INSTRUCTION)
+RELEASED_THIRD_PROMPT = (
+    "\nYou are an expert agent operating in the ALFRED Embodied Environment. Your task is to: put some mug on "
+    "desk.\nPrior to this step, you have already taken 2 step(s). Below are the most recent 2 observations and "
+    "the corresponding actions you took: [Observation 1: '" + ROOM + "', Action 1: 'go to desk 1']\n"
+    "[Observation 2: 'You arrive at desk 1. On the desk 1, you see a desklamp 1, a keychain 2, and a pencil 1.', "
+    "Action 2: ' go to the drawer 1, then look']\nYou are now at step 3 and your current observation is: "
+    "Nothing happens.\nYour admissible actions of the current situation are: ['examine desk 1'\n 'go to bed 1'\n "
+    "'go to desk 2'\n 'go to drawer 1'\n 'go to drawer 2'\n 'go to drawer 3'\n 'go to drawer 4'\n 'go to "
+    "drawer 5'\n 'go to drawer 6'\n 'go to garbagecan 1'\n 'go to laundryhamper 1'\n 'go to safe 1'\n 'go to "
+    "shelf 1'\n 'go to shelf 2'\n 'go to shelf 3'\n 'go to shelf 4'\n 'go to shelf 5'\n 'go to shelf 6'\n "
+    "'inventory'\n 'look'\n 'take keychain 2 from desk 1'\n 'take pencil 1 from desk 1'\n 'use desklamp 1'].\n\n"
+    + INSTRUCTION)
+
+
+@needs_alfworld
+@needs_data
+def test_prompts_read_as_released_character_by_character(cache, tmp_path):
+    """A paper config's rollout of a real game: raw observations, the released template, and an output with no
+    action block sent to the game as its last 30 characters, lower-cased, which the history then shows."""
+    args = HGPOConfig(output_dir=str(tmp_path), env_name="alfworld", history_length=2, max_env_steps=3,
+                      invalid_action="execute", use_cpu=True, report_to="none")
+    outputs = iter(["<think>the mug may be on a desk</think><action>go to desk 1</action>",
+                    "Let me think. I Will Go To The Drawer 1, Then Look", "<think>x</think><action>look</action>"])
+    envs = InProcessEnvs(partial(make_env, "alfworld", split=SPLIT, data_path=DATA, raw_observations=True,
+                                 cache_dir=cache), 1)
+    try:
+        rollout = run_rollout(envs, [{"game_id": EXPERT_GAMES[2]}], 1,
+                              lambda prompts: [Completion(next(outputs)) for _ in prompts], args.rollout_settings())
+    finally:
+        envs.close()
+    first, second, third = rollout.steps
+    assert first.prompt == RELEASED_FIRST_PROMPT
+    assert (second.action, second.valid) == (" go to the drawer 1, then look", False)
+    assert third.prompt == RELEASED_THIRD_PROMPT
 
 
 @pytest.mark.slow

@@ -22,7 +22,14 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hgpo_trl.actions import ACTION_MODES, FORMAT_INSTRUCTIONS, MAX_ACTION_CHARS, parse_action
+from hgpo_trl.actions import (
+    ACTION_MODES,
+    FORMAT_INSTRUCTIONS,
+    MAX_ACTION_CHARS,
+    match_admissible,
+    parse_action,
+    project_released,
+)
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.memory import Memory, fit_prompt
@@ -85,6 +92,17 @@ def regex_reference(text: str, require_think: bool, reject_cjk: bool) -> str | N
     return None if not action or len(action) > MAX_ACTION_CHARS or _TAG.search(action) else action
 
 
+def released_projection(text: str, tail: int) -> tuple[str, bool]:
+    """verl-agent's alfworld_projection / webshop_projection for one output, step by step as released."""
+    original, lowered = text, text.lower()
+    start, end = lowered.find("<action>"), lowered.find("</action>")
+    if start == -1 or end == -1:
+        return lowered[-tail:], False
+    action = lowered[start + len("<action>"):end].strip().lower()
+    valid = original.find("<think>") != -1 and original.find("</think>") != -1
+    return action, valid and re.search(r"[\u4e00-\u9fff]", original) is None
+
+
 def no_evaluation():
     """Fail loudly if anything evaluates, executes or shells out the text while the block runs."""
     stack = ExitStack()
@@ -118,6 +136,16 @@ def test_parse_action_never_raises_and_returns_a_clean_action(text, mode, requir
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
+@given(text=OUTPUTS, tail=st.sampled_from([30, 20]))
+def test_execute_reads_every_output_as_the_released_projection(text, tail):
+    with no_evaluation():
+        action, valid = project_released(text, tail)
+    assert not SENTINEL.exists()
+    event(f"valid: {valid}, action block: {'<action>' in text.lower() and '</action>' in text.lower()}")
+    assert (action, valid) == released_projection(text, tail)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(text=SHORT, require_think=st.booleans(), reject_cjk=st.booleans())
 def test_tags_mode_matches_the_former_regex_parser(text, require_think, reject_cjk):
     assert parse_action(text, require_think=require_think, reject_cjk=reject_cjk) == \
@@ -136,7 +164,7 @@ def test_long_repeated_tags_parse_in_linear_time():
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(outputs=st.lists(OUTPUTS, min_size=1, max_size=6), mode=st.sampled_from(ACTION_MODES),
-       require_think=st.booleans(), invalid_action=st.sampled_from(["noop", "end_episode"]),
+       require_think=st.booleans(), invalid_action=st.sampled_from(["noop", "end_episode", "execute"]),
        admissible_only=st.booleans(), history_length=st.integers(0, 3))
 def test_rollout_survives_any_output_and_counts_invalid_steps(outputs, mode, require_think, invalid_action,
                                                               admissible_only, history_length):
@@ -145,6 +173,7 @@ def test_rollout_survives_any_output_and_counts_invalid_steps(outputs, mode, req
     def policy(prompts):
         return [Completion(text=outputs[next(answers) % len(outputs)]) for _ in prompts]
 
+    mode = "tags" if invalid_action == "execute" else mode  # the released projection reads tags
     settings_ = RolloutSettings(action_mode=mode, require_think=require_think, invalid_action=invalid_action,
                                 admissible_only=admissible_only, history_length=history_length, max_steps=4)
     tasks = list(make_tasks("keydoor", "train", num_tasks=2))
@@ -162,12 +191,18 @@ def test_rollout_survives_any_output_and_counts_invalid_steps(outputs, mode, req
         assert isinstance(record, StepRecord) and isinstance(record.prompt, str) and record.prompt
         assert isinstance(record.reward, float) and record.reward in (0.0, 3.0, 10.0)
         assert 0 <= record.shown_history <= min(record.step, history_length) and not record.history_cut
-        parsed = parse_action(record.completion.text, mode, require_think=require_think)
-        admissible = record.prompt.split("\nActions: ")[1].split("\n")[0].split(" | ")
-        expected = None if admissible_only and parsed not in admissible else parsed
-        assert record.action == expected and record.valid == (expected is not None)
+        admissible = record.prompt.split("\nActions: ")[-1].split("\n")[0].split(" | ")
+        if invalid_action == "execute":  # every output sends something; an unlisted action is sent and penalised
+            projected, well_formed = project_released(record.completion.text, 30, require_think=require_think)
+            listed = match_admissible(projected, admissible) if admissible_only else projected
+            assert record.action == (projected if listed is None else listed)
+            assert record.valid == (well_formed and listed is not None)
+        else:
+            parsed = parse_action(record.completion.text, mode, require_think=require_think)
+            expected = None if admissible_only and parsed not in admissible else parsed
+            assert record.action == expected and record.valid == (expected is not None)
+            assert len(record.prompt) < 2_000  # memory keeps a 30-character tail of an invalid output, not all
         assert "49" not in record.prompt or any("49" in o for o in outputs)  # no template ever evaluated {{7*7}}
-        assert len(record.prompt) < 2_000  # memory keeps a 30-character tail of an invalid output, not all of it
     batch = rollout.step_batch()
     assert batch.valid.tolist() == [r.valid for r in rollout.steps]
 

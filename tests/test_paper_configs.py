@@ -134,6 +134,11 @@ def expected(env: str, size: str, method: str) -> dict:
         fields.pop(field)
     if estimator == "hgpo":
         fields["drop_zero_items"] = True  # core_hgpo keeps only items != 0
+    # What the model sees: env_package/{alfworld,webshop}/projection.py reads every output, a penalised one's
+    # action is still carried out; ALFWorld's observations are the game's text as written (the banner too).
+    fields["invalid_action"] = "execute"
+    if env == "alfworld":
+        fields["env_kwargs"] = {"raw_observations": True}
     return fields
 
 

@@ -94,6 +94,29 @@ def test_invalid_output_memory_shows_its_tail():
     assert "open the red door maybe" in rollout.steps[1].prompt
 
 
+def test_execute_sends_penalised_actions_and_the_tail_of_an_output_without_one():
+    """invalid_action="execute" (as released): an action without <think> is carried out and penalised; an output
+    with no action block sends its last characters, which the memory shows as the action taken."""
+    def answers():
+        outputs = iter(["<action>TAKE {} KEY</action>", "I Will Go To The Hall, Then Open The Door",
+                        "<think>x</think><action>go to hall</action>"])
+        return lambda prompt: next(outputs).format(prompt.split("It is behind the ")[1].split(" door")[0])
+
+    executed = play(scripted(answers()), group_size=1, num_tasks=1, max_steps=3, action_mode="tags",
+                    invalid_action="execute")
+    take, tail, walk = executed.steps
+    assert (take.action, take.valid, take.malformed) == (optimal_action(take.prompt), False, True)
+    assert f"You take the {take.action.removeprefix('take ')}." in tail.observation  # carried out
+    assert (tail.action, tail.valid) == ("o the hall, then open the door", False)
+    assert (walk.action, walk.valid) == ("go to hall", True)
+    assert f"< {take.action}\n" in walk.prompt and f"< {tail.action}\n" in walk.prompt
+    assert executed.episodes[0].invalid == 2 and executed.step_batch().valid.tolist() == [False, False, True]
+    skipped = play(scripted(answers()), group_size=1, num_tasks=1, max_steps=3, action_mode="tags")
+    assert skipped.steps[0].action is None and skipped.steps[1].observation == "Nothing happens."
+    with pytest.raises(ValueError, match="needs action_mode 'tags'"):
+        RolloutSettings(invalid_action="execute", action_mode="plain")
+
+
 def test_step_batch_feeds_the_estimators():
     rollout = play(scripted(optimal_action), group_size=4)
     batch = rollout.step_batch()

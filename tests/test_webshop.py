@@ -456,6 +456,35 @@ def test_prompt_follows_verl_agent():
     assert "'click[next >]',\n" in prompt
 
 
+# The released WebShop prompt (agent_system/environments/prompts/webshop.py, filled by recipe/hgpo/env_manager.py):
+# both templates open and close with a newline, and the first line ends "environment. " without history.
+WEBSHOP_INSTRUCTION = (
+    "Now it's your turn to take one action for the current step.\nYou should first reason step-by-step about the "
+    "current situation, then think carefully which admissible action best advances the shopping goal. This "
+    "reasoning process MUST be enclosed within <think> </think> tags. \nOnce you've finished your reasoning, you "
+    "should choose an admissible action for current step and present it within <action> </action> tags.\n")
+
+
+def test_prompt_is_released_character_by_character():
+    env, task = WebShopEnv(), "i need a red shirt, and price lower than 30.00 dollars"
+    first = env.render_prompt(task, [], "'Search'", ["search[<your query>]"], 0)
+    assert first == (
+        "\nYou are an expert autonomous agent operating in the WebShop e\u2011commerce environment. \nYour task is "
+        "to: i need a red shirt, and price lower than 30.00 dollars.\nYour current observation is: 'Search'.\nYour "
+        "admissible actions of the current situation are: \n[\n'search[<your query>]',\n].\n\n"
+        + WEBSHOP_INSTRUCTION)
+    page = "'Back to Search' [SEP] 'Page 1 (Total results: 1)' [SEP] 'B0001' [SEP] 'Red Shirt' [SEP] '$12.00'"
+    later = env.render_prompt(task, [("'Search'", "search[red shirt]")], page, ["click[back to search]",
+                                                                               "click[b0001]"], 1)
+    assert later == (
+        "\nYou are an expert autonomous agent operating in the WebShop e\u2011commerce environment.\nYour task is "
+        "to: i need a red shirt, and price lower than 30.00 dollars.\nPrior to this step, you have already taken 1 "
+        "step(s). Below are the most recent 1 observations and the corresponding actions you took: [Observation 1: "
+        "''Search'', Action 1: 'search[red shirt]']\nYou are now at step 2 and your current observation is: "
+        + page + ".\nYour admissible actions of the current situation are: \n[\n'click[back to search]',\n"
+        "'click[b0001]',\n].\n\n" + WEBSHOP_INSTRUCTION)
+
+
 def test_registry():
     assert "webshop" in registered_envs()
     env = make_env("webshop", max_steps=5)

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-_HEAD = ("You are an expert autonomous agent operating in the WebShop e\u2011commerce environment.\n"
-         "Your task is to: {task}.\n")
+# Both released templates start and end with a newline; the first line ends "environment. " in the one
+# without history, "environment." in the other.
+_HEAD = "\nYou are an expert autonomous agent operating in the WebShop e\u2011commerce environment.{space}\n"
+_TASK = "Your task is to: {task}.\n"
 _TAIL = ("Your admissible actions of the current situation are: \n[\n{actions}\n].\n\n"
          "Now it's your turn to take one action for the current step.\n"
          "You should first reason step-by-step about the current situation, then think carefully which "
          "admissible action best advances the shopping goal. This reasoning process MUST be enclosed within "
          "<think> </think> tags. \n"
          "Once you've finished your reasoning, you should choose an admissible action for current step and "
-         "present it within <action> </action> tags.")
-NO_HISTORY = _HEAD + "Your current observation is: {observation}.\n" + _TAIL
-WITH_HISTORY = (_HEAD + "Prior to this step, you have already taken {step} step(s). Below are the most "
+         "present it within <action> </action> tags.\n")
+NO_HISTORY = _HEAD.format(space=" ") + _TASK + "Your current observation is: {observation}.\n" + _TAIL
+WITH_HISTORY = (_HEAD.format(space="") + _TASK + "Prior to this step, you have already taken {step} step(s). Below are the most "
                 "recent {shown} observations and the corresponding actions you took: {history}\n"
                 "You are now at step {current} and your current observation is: {observation}.\n" + _TAIL)
 

@@ -21,8 +21,10 @@ from hgpo_trl.envs.webshop import WebShopEnv, webshop_tasks
 __all__ = ["Info", "TextEnv", "make_env", "make_tasks", "register_env", "registered_envs"]
 
 register_env("keydoor", KeyDoorEnv, keydoor_tasks, fast=True)
-register_env("alfworld", AlfWorldEnv, alfworld_tasks, prompt_has_format=True)  # 0.1 s a step, 2-3 s a new game
-register_env("webshop", WebShopEnv, webshop_tasks, fast=True, prompt_has_format=True)  # generated shop: ~0.2 ms a step
+# invalid_tail_chars as released (env_package/{alfworld,webshop}/projection.py).
+register_env("alfworld", AlfWorldEnv, alfworld_tasks, prompt_has_format=True, invalid_tail_chars=30)  # 0.1 s a step, 2-3 s a new game
+register_env("webshop", WebShopEnv, webshop_tasks, fast=True, prompt_has_format=True,
+             invalid_tail_chars=20)  # generated shop: ~0.2 ms a step
 # Optional packages (extras textarena / gymnasium), imported when an environment is built. A fraction of a
 # millisecond a step for the games tried; one with a slow reset (Sokoban, RushHour) can be given env_workers.
 register_env("textarena", TextArenaEnv, textarena_tasks, fast=True)
