@@ -25,6 +25,7 @@ def tutorial(tmp_path_factory):
     output = tmp_path_factory.mktemp("byo")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("BYO_OUTPUT", str(output))
+        patch.setenv("HOME", str(output))  # Inform 7, which compiles the games, writes ~/Inform
         namespace = runpy.run_path(str(ROOT / "examples" / "byo_textworld.py"), run_name="__main__")
     yield namespace, output
     _REGISTRY.pop("textworld", None)  # leave the registries as the other tests expect them
@@ -45,7 +46,8 @@ def tutorial_definitions() -> dict:
     return namespace
 
 
-def test_the_tutorials_environment_wins_a_generated_game_by_its_walkthrough(tmp_path):
+def test_the_tutorials_environment_wins_a_generated_game_by_its_walkthrough(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # Inform 7, which compiles the game, writes ~/Inform
     tutorial = tutorial_definitions()
     [game_file] = tutorial["generate_games"](tmp_path, {"train": [1]})
     [task] = tutorial["textworld_tasks"]("train", games_dir=tmp_path)
