@@ -86,6 +86,16 @@ class HGPOConfig(GRPOConfig):
         default="pad", metadata={"help": "all_steps: 'pad' leaves each process's last micro-batch short (every step "
                                          "trained exactly once); 'duplicate' fills it with copies of random steps of "
                                          "the iteration, as released (adjust_batch, mode 'copy')."})
+    balance_steps: bool = field(
+        default=False, metadata={"help": "all_steps: after the advantages, share the iteration's step rows out so "
+                                         "that every process trains the same number, token counts balanced, and "
+                                         "every optimizer step exactly mini_batch_size rows, as released "
+                                         "(balance_batch); False: each process trains the steps it played."})
+    fill_multiple: int | None = field(
+        default=None, metadata={"help": "all_steps with balance_steps and fill_last_micro_batch 'duplicate': fill "
+                                        "the iteration's rows over all processes to a multiple of this many "
+                                        "(released adjust_batch: the lcm of the log-prob and actor micro-batches "
+                                        "x GPUs). None: per_device_train_batch_size x processes."})
     shuffle_steps: bool = field(
         default=False, metadata={"help": "all_steps: train an iteration's steps in a random order instead of "
                                          "rollout order (released: rollout order)."})
@@ -347,6 +357,11 @@ class HGPOConfig(GRPOConfig):
              "an integer >= 2 (rollouts per task)"),
             ("step_batching", self.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
             ("fill_last_micro_batch", self.fill_last_micro_batch in FILLS, f"one of {FILLS}"),
+            ("balance_steps", not self.balance_steps or self.step_batching == "all_steps",
+             "false under step_batching 'fixed_budget' (it shares out the rows of all_steps)"),
+            ("fill_multiple", self.fill_multiple is None or (self.fill_multiple >= 1 and self.fill_multiple
+                                                             % self.per_device_train_batch_size == 0),
+             f"None or a positive multiple of per_device_train_batch_size ({self.per_device_train_batch_size})"),
             ("mini_batch_size", self.mini_batch_size is None or self.mini_batch_size >= 1, "None or an integer >= 1"),
             ("eval_every_iterations", self.eval_every_iterations is None or self.eval_every_iterations >= 1,
              "None or an integer >= 1"),

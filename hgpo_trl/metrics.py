@@ -26,28 +26,36 @@ class SampleCounts:
 class TrainedSteps:
     """How often each step of the current all_steps iteration went through the loss, counted in `compute_loss`
     from the micro-batches' `step_rows` (-1: a padding row): the check that every collected step was trained,
-    from the run's own counters rather than from the plan."""
+    from the run's own counters rather than from the plan. Under `balance_steps` the rows count every process's
+    steps (a process trains steps others played): the counts are summed over processes at the end."""
 
     def __init__(self):
         self.passes: np.ndarray | None = None
+        self.shared = False
 
-    def start(self, num_steps: int) -> None:
-        self.passes = np.zeros(num_steps, dtype=np.int64)
+    def start(self, num_steps: int, shared: bool = False) -> None:
+        self.passes, self.shared = np.zeros(num_steps, dtype=np.int64), shared
 
     def count(self, step_rows) -> None:
         if self.passes is not None:
             rows = np.asarray(step_rows)
             np.add.at(self.passes, rows[rows >= 0], 1)
 
-    def finish(self) -> dict[str, float] | None:
+    def finish(self, accelerator) -> dict[str, float] | None:
         """This process's `steps/trained` (distinct steps trained), `steps/max_untrained` (collected, never
-        trained: 0 in a sound run) and `steps/trained_passes` (rows trained, copies and epochs included); None
-        when no iteration was counted since the last call."""
+        trained: 0 in a sound run) and `steps/trained_passes` (rows trained, copies and epochs included); shared,
+        every process's share of the totals (and the total untrained). None when no iteration was counted since
+        the last call. Every process must call it (a shared count is summed over them)."""
         passes, self.passes = self.passes, None
         if passes is None:
             return None
-        return {"steps/trained": float((passes > 0).sum()), "steps/max_untrained": float((passes == 0).sum()),
-                "steps/trained_passes": float(passes.sum())}
+        share = 1
+        if self.shared:
+            from hgpo_trl.collective import elementwise_process_sum
+
+            passes, share = np.asarray(elementwise_process_sum(accelerator, passes.tolist())), accelerator.num_processes
+        return {"steps/trained": float((passes > 0).sum()) / share, "steps/max_untrained": float((passes == 0).sum()),
+                "steps/trained_passes": float(passes.sum()) / share}
 
 
 def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray, samples: SampleCounts, args,

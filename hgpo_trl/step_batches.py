@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from trl.trainer.utils import pad
 
-from hgpo_trl.rollout import StepRecord
+from hgpo_trl.rollout import Completion
 
 STEP_BATCHINGS = ("fixed_budget", "all_steps")
 FILLS = ("pad", "duplicate")
@@ -54,16 +54,15 @@ def windows_for(busiest_micro_batches: int, accumulation: int) -> int:
     return math.ceil(busiest_micro_batches / accumulation)
 
 
-def sample_tensors(steps: Sequence[StepRecord], advantages: np.ndarray, padding: int, pad_token_id: int,
+def sample_tensors(completions: Sequence[Completion], advantages: np.ndarray, padding: int, pad_token_id: int,
                    eos_token_id: int, device: torch.device | str, mask_truncated: bool = False,
                    eos_token_ids: Sequence[int] = ()) -> dict[str, torch.Tensor]:
-    """The loss's inputs for `steps` (one row each) plus `padding` masked rows (a one-token prompt and a
+    """The loss's inputs for `completions` (one row each) plus `padding` masked rows (a one-token prompt and a
     one-token completion, completion_mask 0, advantage 0): prompts left-padded, completions right-padded to the
     widest row of this batch. `mask_truncated` masks completions that do not end in one of `eos_token_ids`."""
-    prompts = [torch.tensor(s.completion.prompt_ids) for s in steps] + [torch.tensor([pad_token_id])] * padding
-    completions = ([torch.tensor(s.completion.completion_ids) for s in steps]
-                   + [torch.tensor([eos_token_id])] * padding)
-    real = [1] * len(steps) + [0] * padding
+    prompts = [torch.tensor(c.prompt_ids) for c in completions] + [torch.tensor([pad_token_id])] * padding
+    real = [1] * len(completions) + [0] * padding
+    completions = [torch.tensor(c.completion_ids) for c in completions] + [torch.tensor([eos_token_id])] * padding
     prompt_ids = pad(prompts, padding_value=pad_token_id, padding_side="left").to(device)
     prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left").to(device)
     completion_ids = pad(completions, padding_value=pad_token_id, padding_side="right").to(device)

@@ -46,11 +46,12 @@ from hgpo_trl.loss_inputs import (
     budget_inputs,
     completion_positions_only,
     logprob_inputs,
+    training_rows,
 )
 from hgpo_trl.metrics import SampleCounts, TrainedSteps, gathered_metrics, iteration_metrics, log_completions
 from hgpo_trl.model_card import write_model_card
 from hgpo_trl.reporting import set_up_reporting, transformers_bars_off
-from hgpo_trl.rollout import Rollout, StepRecord
+from hgpo_trl.rollout import Completion, Rollout
 from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.step_batches import plan_micro_batches, sample_tensors, windows_for
 from hgpo_trl.trajectories import rollout_records, write_records
@@ -215,7 +216,7 @@ class HGPOTrainer(GRPOTrainer):
                 # and the optimizer step the Trainer still takes moves nothing; IterationCadence stops the run.
                 return torch.zeros((), device=self.accelerator.device)
         loss = super().training_step(model, inputs, num_items_in_batch)
-        if not self._micro_batches and (trained := self._trained.finish()) is not None:  # the iteration's last
+        if not self._micro_batches and (trained := self._trained.finish(self.accelerator)) is not None:  # the iteration's last
             self._log_gathered("train", trained)
         # The parent builds the batch (rollout and all) inside training_step: that time is not training.
         self._training_seconds += time.perf_counter() - tick - self._batch_seconds
@@ -256,11 +257,11 @@ class HGPOTrainer(GRPOTrainer):
         return self._micro_batches.popleft()
 
     def _all_steps_iteration(self) -> list[dict[str, Any]]:
-        """The micro-batches of the next iteration that collects a step on some process: every step once, the
-        last micro-batch short or filled with copies (`fill_last_micro_batch`), then micro-batches of padding
-        alone so that every process runs the busiest one's count of windows, repeated
-        `num_iterations` times. Log-probabilities are taken here, before the first update. Empty when the
-        remaining iterations collect no step at all."""
+        """The micro-batches of the next iteration that collects a step on some process: every step once (its
+        own, or with `balance_steps` an equal share of all), the last micro-batch short or filled with copies
+        (`fill_last_micro_batch`), then micro-batches of padding alone so that every process runs the busiest
+        one's count of windows, repeated `num_iterations` times. Log-probabilities are taken here, before the
+        first update. Empty when the remaining iterations collect no step at all."""
         rank, processes = self.accelerator.process_index, self.accelerator.num_processes
         windows = 0
         while not windows:  # no optimizer step on nothing: an iteration whose episodes all failed trains none
@@ -268,28 +269,29 @@ class HGPOTrainer(GRPOTrainer):
                 return []
             tasks = [self.train_dataset[i] for i in self._task_sampler.iteration_tasks(self._iteration, rank, processes)]
             rollout, batch, advantages, advantage_seconds = self._play_iteration(tasks)
-            plan = plan_micro_batches(len(rollout.steps), self.args.per_device_train_batch_size,
-                                      self.args.fill_last_micro_batch, self.args.shuffle_steps, self._sample_rng)
+            rows = training_rows(self, rollout, advantages)
+            plan = plan_micro_batches(len(rows.completions), self.args.per_device_train_batch_size,
+                                      "pad" if rows.balanced else self.args.fill_last_micro_batch,
+                                      self.args.shuffle_steps, self._sample_rng)
             windows = windows_for(process_max(self.accelerator, len(plan)), self.args.gradient_accumulation_steps)
-            samples = all_steps_counts(len(rollout.steps), plan, windows, self.args, self.num_iterations)
-            self._trained.start(len(rollout.steps))
+            samples = all_steps_counts(len(rollout.steps), rows, plan, windows, self.args, self.num_iterations)
+            self._trained.start(rows.num_ids, shared=rows.balanced)
             self._log_iteration("train", rollout, batch, advantages, samples, advantage_seconds)
             self._iteration += 1
-        rows = np.concatenate([np.zeros(0, dtype=np.int64), *plan])  # (this process may have no step)
-        log_completions(self, [rollout.steps[i] for i in rows], advantages[rows])
-        return all_steps_inputs(self, rollout, advantages, plan, windows)
+        log_completions(self, rollout.steps, advantages)
+        return all_steps_inputs(self, rows, plan, windows)
 
     # ------------------------------------------------------------------ samples
-    def _samples(self, steps: list[StepRecord], advantages: np.ndarray, padding: int) -> dict[str, torch.Tensor]:
-        return sample_tensors(steps, advantages, padding, self._tokenizer.pad_token_id, self.eos_token_ids[0],
+    def _samples(self, completions: list[Completion], advantages: np.ndarray, padding: int) -> dict[str, torch.Tensor]:
+        return sample_tensors(completions, advantages, padding, self._tokenizer.pad_token_id, self.eos_token_ids[0],
                               self.accelerator.device, self.mask_truncated_completions, self.eos_token_ids)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         with completion_positions_only():  # (hgpo_trl.loss_inputs)
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
-    def _logprob_inputs(self, samples: dict[str, torch.Tensor], steps: list[StepRecord], old: bool) -> dict:
-        inputs, sampling = logprob_inputs(self, samples, steps, old)  # (hgpo_trl.loss_inputs)
+    def _logprob_inputs(self, samples: dict[str, torch.Tensor], completions: list[Completion], old: bool) -> dict:
+        inputs, sampling = logprob_inputs(self, samples, completions, old)  # (hgpo_trl.loss_inputs)
         if sampling is not None:
             self._log_gathered("train", sampling)
         return inputs

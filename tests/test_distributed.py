@@ -108,6 +108,34 @@ def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_bu
 
 
 @pytest.mark.slow
+def test_balanced_steps_train_every_row_once_in_mini_batches_of_the_configured_size(tmp_path, free_port):
+    """balance_steps on 2 processes whose episodes differ in length (process 1's end after one step): over both
+    processes every row reaches the loss exactly once, none twice, none dropped; each optimizer step trains
+    exactly mini_batch_size = 8 rows in all (an iteration's last aside); both run as many micro-batches and take
+    fewer optimizer steps than unbalanced rows would need."""
+    ranks = launch("ddp", tmp_path, free_port, "batching=all_steps", "balance=1", "uneven=1")
+    estimated = [[len(values) for values in rank["estimated"]] for rank in ranks]
+    assert all(n0 >= 3 * n1 for n0, n1 in zip(*estimated, strict=True))  # deliberately unequal
+    assert sorted(a for rank in ranks for call in rank["seen"] for a in call) == \
+        sorted(a for rank in ranks for values in rank["estimated"] for a in values)
+    assert len(ranks[0]["seen"]) == len(ranks[1]["seen"])
+    call, windows, unbalanced = 0, 0, 0
+    for n0, n1 in zip(*estimated, strict=True):
+        total = n0 + n1
+        steps = math.ceil(math.ceil(math.ceil(total / 2) / 2) / 2)  # rows per process, micro-batches of 2, windows of 2
+        rows = [sum(len(rank["seen"][call + 2 * k + j]) for rank in ranks for j in (0, 1)) for k in range(steps)]
+        assert rows == [8] * (total // 8) + ([total % 8] if total % 8 else []), rows
+        call, windows = call + 2 * steps, windows + steps
+        unbalanced += math.ceil(math.ceil(max(n0, n1) / 2) / 2)
+    assert call == len(ranks[0]["seen"])
+    assert [rank["global_step"] for rank in ranks] == [windows] * 2 and windows < unbalanced
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
+    counters = [h for h in ranks[0]["log_history"] if "steps/max_untrained" in h]
+    assert [h["steps/max_untrained"] for h in counters] == [0.0, 0.0]
+    assert [h["steps/trained"] * 2 for h in counters] == [n0 + n1 for n0, n1 in zip(*estimated, strict=True)]
+
+
+@pytest.mark.slow
 def test_one_process_whose_environments_all_fail_logs_the_same_keys_and_goes_on(tmp_path, free_port):
     """Process 1's episodes all fault in iteration 1 (no step collected there), process 0's are healthy: every
     process still gathers the same metric keys (a shorter vector hangs NCCL, and gloo raises) and the run ends."""

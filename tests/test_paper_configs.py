@@ -19,21 +19,25 @@ SCRIPTS = {
         actor_rollout_ref.model.path=Qwen/Qwen2.5-1.5B-Instruct  algorithm.hgpo.mode=mean_std_norm
         actor_rollout_ref.actor.ppo_mini_batch_size=256  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
         trainer.n_gpus_per_node=2  trainer.save_freq=40  data.val_batch_size=128  env.max_steps=50
-        actor_rollout_ref.actor.optim.lr=1e-6""",
+        actor_rollout_ref.actor.optim.lr=1e-6  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16
+        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16""",
     ("alfworld", "7b"): """
         actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct  algorithm.hgpo.mode=mean_std_norm
         actor_rollout_ref.actor.ppo_mini_batch_size=256  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8
-        trainer.n_gpus_per_node=4  trainer.save_freq=40  data.val_batch_size=128  env.max_steps=50""",
+        trainer.n_gpus_per_node=4  trainer.save_freq=40  data.val_batch_size=128  env.max_steps=50
+        actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8  actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8""",
     ("webshop", "1.5b"): """
         actor_rollout_ref.model.path=Qwen/Qwen2.5-1.5B-Instruct  algorithm.hgpo.mode=mean_norm
         actor_rollout_ref.actor.ppo_mini_batch_size=64  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
         trainer.n_gpus_per_node=2  trainer.save_freq=40  val_data_size=256  env.max_steps=30
-        actor_rollout_ref.actor.optim.lr=1e-6""",
+        actor_rollout_ref.actor.optim.lr=1e-6  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
+        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4""",
     ("webshop", "7b"): """
         actor_rollout_ref.model.path=Qwen/Qwen2.5-7B-Instruct  algorithm.hgpo.mode=mean_norm
         actor_rollout_ref.actor.ppo_mini_batch_size=64  actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2
         trainer.n_gpus_per_node=4  trainer.save_freq=80  trainer.max_actor_ckpt_to_keep=1  val_data_size=256
-        env.max_steps=30  actor_rollout_ref.actor.optim.lr=1e-6""",
+        env.max_steps=30  actor_rollout_ref.actor.optim.lr=1e-6  actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
+        actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4""",
 }
 # Passed by all four scripts (the 7B ALFWorld one omits optim.lr: the default, 1e-6).
 COMMON = """
@@ -53,7 +57,7 @@ DEFAULTS = """
     actor_rollout_ref.actor.optim.weight_decay=0.01  actor_rollout_ref.actor.optim.warmup_style=constant
     actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0  actor_rollout_ref.rollout.temperature=1.0
     actor_rollout_ref.actor.optim.lr=1e-6  compute_mean_std_cross_steps=True  adjust_batch.mode=copy
-    algorithm.gigpo.mode=mean_norm"""
+    algorithm.gigpo.mode=mean_norm  trainer.balance_batch=True"""
 
 # Released flag -> (our field, the value it means). `None` as a field: checked by the function named instead.
 MAPPING = {
@@ -101,6 +105,10 @@ MAPPING = {
     "actor_rollout_ref.rollout.temperature": lambda v: {"temperature": float(v)},
     "compute_mean_std_cross_steps": lambda v: {"episode_stats": "steps" if v == "True" else "trajectories"},
     "adjust_batch.mode": lambda v: {"fill_last_micro_batch": {"copy": "duplicate"}[v]},
+    "trainer.balance_batch": lambda v: {"balance_steps": v == "True"},
+    # adjust_batch's divisor, lcm(log-prob micro-batches, actor micro-batch) x GPUs (checked below).
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": lambda v: {},
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": lambda v: {},
     # Per process: data.train_batch_size / trainer.n_gpus_per_node (checked below).
     "data.train_batch_size": lambda v: {},
     "trainer.n_gpus_per_node": lambda v: {},
@@ -137,6 +145,14 @@ def expected(env: str, size: str, method: str) -> dict:
     # What the model sees: env_package/{alfworld,webshop}/projection.py reads every output, a penalised one's
     # action is still carried out; ALFWorld's observations are the game's text as written (the banner too).
     fields["invalid_action"] = "execute"
+    # adjust_batch fills the batch to a multiple of lcm(rollout and ref log-prob micro, actor micro) x GPUs;
+    # fill_multiple is set where that is not per_device_train_batch_size x processes, its default.
+    gpus = int(released["trainer.n_gpus_per_node"])
+    micro = int(released["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"])
+    divisor = math.lcm(*(gpus * int(released[f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu"])
+                         for role in ("rollout", "ref")), gpus * micro)
+    if divisor != gpus * micro:
+        fields["fill_multiple"] = divisor
     if env == "alfworld":
         fields["env_kwargs"] = {"raw_observations": True}
     return fields

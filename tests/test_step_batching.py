@@ -87,6 +87,10 @@ def test_mini_batch_size_sets_the_accumulation_and_train_iterations_bound_max_st
     ({"save_strategy": "steps", "save_steps": 3}, "use save_every_iterations"),
     ({"step_batching": "every"}, "HGPOConfig.step_batching must be one of"),
     ({"fill_last_micro_batch": "copy"}, "HGPOConfig.fill_last_micro_batch must be one of"),
+    ({"step_batching": "fixed_budget", "balance_steps": True, "mini_batch_size": None, "train_iterations": 2},
+     "HGPOConfig.balance_steps must be false under step_batching 'fixed_budget'"),
+    ({"balance_steps": True, "fill_multiple": 6},
+     r"HGPOConfig.fill_multiple must be None or a positive multiple of per_device_train_batch_size \(4\)"),
 ])
 def test_bad_all_steps_settings_name_the_field(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
@@ -138,7 +142,8 @@ def optimizer_steps_taken(trainer) -> int:
 
 
 @pytest.mark.parametrize("options", [{}, {"num_iterations": 2}, {"beta": 0.1}, {"shuffle_steps": True},
-                                     {"gradient_checkpointing": True}, {"loss_type": "dapo"}],
+                                     {"gradient_checkpointing": True}, {"loss_type": "dapo"},
+                                     {"balance_steps": True}],
                          ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_every_collected_step_reaches_the_loss_exactly_once_per_iteration(tmp_path, tiny_model, tiny_tokenizer,
                                                                           unique_advantages, options):
@@ -165,10 +170,12 @@ def test_every_collected_step_reaches_the_loss_exactly_once_per_iteration(tmp_pa
     assert all(c["old"] for c in calls)
 
 
-def test_duplicates_fill_micro_batches_and_are_counted(tmp_path, tiny_model, tiny_tokenizer, unique_advantages):
+@pytest.mark.parametrize("balance_steps", [False, True], ids=["own rows", "balanced"])
+def test_duplicates_fill_micro_batches_and_are_counted(tmp_path, tiny_model, tiny_tokenizer, unique_advantages,
+                                                       balance_steps):
     trainer = make_trainer(tiny_model, tiny_tokenizer, all_steps_config(
         tmp_path, estimator="test_unique", fill_last_micro_batch="duplicate", per_device_train_batch_size=3,
-        mini_batch_size=6, max_env_steps=3))
+        mini_batch_size=6, max_env_steps=3, balance_steps=balance_steps))
     calls = loss_inputs(trainer)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "steps/collected" in h]

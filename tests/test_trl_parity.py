@@ -51,8 +51,9 @@ def test_vllm_sampling_logprobs_reach_the_loss_without_the_correction(tmp_path, 
     trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path))
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, False
     steps = steps_with_logprobs([[7, 8], [9]])
-    samples = trainer._samples(steps, torch.zeros(2).numpy(), padding=1)
-    out = trainer._logprob_inputs(samples, steps, old=False)
+    completions = [s.completion for s in steps]
+    samples = trainer._samples(completions, torch.zeros(2).numpy(), padding=1)
+    out = trainer._logprob_inputs(samples, completions, old=False)
     assert out["sampling_per_token_logps"].shape == samples["completion_ids"].shape
     assert out["sampling_per_token_logps"][0].tolist() == [-0.5, -0.5] and "importance_sampling_ratio" not in out
 

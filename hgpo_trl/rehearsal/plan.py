@@ -108,6 +108,10 @@ def rehearsal_changes(args: HGPOConfig, processes: int, cores: int, *, num_eval_
                     Change("gradient_accumulation_steps", configured, accumulation, why)]
         if args.mini_batch_size:
             changes.append(Change("mini_batch_size", args.mini_batch_size, micro * accumulation * processes, why))
+        if args.fill_multiple:  # the released fill's divisor, as many micro-batches over the processes
+            ratio = max(1, args.fill_multiple // (args.per_device_train_batch_size * processes))
+            changes.append(Change("fill_multiple", args.fill_multiple, ratio * micro * processes,
+                                  f"{ratio} micro-batch(es) of {micro} per process, as the config's"))
     else:  # fixed_budget: two optimizer steps of one micro-batch each, a budget that num_generations divides
         micro = min(args.per_device_train_batch_size, 4)
         per_generation = math.lcm(2, args.num_generations // math.gcd(micro * processes, args.num_generations))

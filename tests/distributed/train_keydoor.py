@@ -1,5 +1,9 @@
 """Two-iteration HGPO run on the tiny model, for multi-process tests: `accelerate launch ... train_keydoor.py OUT
-[beta=0.1] [gc=1] [batching=all_steps] [fault=envs|nan] [warmstart=STEPS [model=folder]]`.
+[beta=0.1] [gc=1] [batching=all_steps [balance=1] [uneven=1]] [fault=envs|nan] [warmstart=STEPS [model=folder]]`.
+
+balance=1: balance_steps (rows shared out over the processes). uneven=1: process 1's episodes end after their
+first step, process 0's run to the step limit (invalid outputs are no-ops): the processes collect very different
+numbers of steps.
 
 warmstart=STEPS: train.py's order: the config, then a supervised warm start of STEPS steps, then the trainer;
 each process also writes the checksums of the model before and after the warm start. model=folder: the tiny
@@ -58,6 +62,14 @@ class FirstResetFails(KeyDoorEnv):
         return super().reset(task)
 
 
+class EndsAtOnceOnRank1(KeyDoorEnv):
+    """Keydoor whose episodes end after one step on process 1."""
+
+    def step(self, action):
+        observation, reward, terminated, truncated, info = super().step(action)
+        return observation, reward, terminated or PartialState().process_index == 1, truncated, info
+
+
 def nan_on_rank1_first(batch, **options):
     advantages = compute_advantages("hgpo", batch, **options)
     ESTIMATED.append([])
@@ -95,16 +107,20 @@ def main(out: str, extra: list[str]) -> None:
     batching = {}
     if options.get("batching") == "all_steps":  # micro-batches of 2, mini-batches of 8 over both processes
         register_estimator("unique", unique_advantages)
-        batching = dict(step_batching="all_steps", mini_batch_size=8, estimator="unique")
+        batching = dict(step_batching="all_steps", mini_batch_size=8, estimator="unique",
+                        balance_steps=options.get("balance") == "1")
+        if options.get("uneven") == "1":
+            batching["invalid_action"] = "noop"
     if options.get("fault") == "nan":
         register_estimator("nan_on_rank1", nan_on_rank1_first)
         batching["estimator"] = "nan_on_rank1"
     args = HGPOConfig(output_dir=os.path.join(out, "run"), per_device_train_batch_size=2 if batching else 8,
                       num_generations=4, tasks_per_device=2, max_completion_length=4, max_env_steps=5,
-                      action_mode="plain", invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
+                      action_mode="plain", learning_rate=1e-2, train_iterations=2,
                       logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
                       disable_tqdm=True, beta=float(options.get("beta", 0.0)),
-                      gradient_checkpointing=options.get("gc") == "1", ddp_timeout=60, **batching)
+                      gradient_checkpointing=options.get("gc") == "1", ddp_timeout=60,
+                      **{"invalid_action": "end_episode", **batching})
     warm = {}
     if "warmstart" in options:
         from trl import ModelConfig
@@ -130,7 +146,8 @@ def main(out: str, extra: list[str]) -> None:
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer,
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4),
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=3),
-                          env_factory=FirstResetFails if options.get("fault") == "envs" else None)
+                          env_factory=FirstResetFails if options.get("fault") == "envs" else
+                          EndsAtOnceOnRank1 if options.get("uneven") == "1" else None)
     played = []
     original = trainer._play
 

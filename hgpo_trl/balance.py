@@ -1,0 +1,110 @@
+"""The rows each process trains in an `all_steps` iteration (`TrainingRows`): its own steps, or, with
+`balance_steps` (as released), an equal share of every process's steps with balanced token counts.
+
+Advantages are computed where the groups were played. Then, balanced, the iteration's rows (over all processes,
+process-major in rollout order) are filled to a multiple of `fill_multiple` with copies of random rows (the
+released `adjust_batch(mode="copy")`, before the split) and split into one set per process, sizes within one row
+of each other, token counts balanced (verl's `_balance_batch`): every optimizer step then trains exactly
+`mini_batch_size` rows over all processes (the last aside), and no process runs micro-batches of padding alone
+while another trains. The plan is a pure function of the rows' token counts and a seed every process shares, so
+each process computes the same plan; the rows travel in one all-gather of token ids, sampling log-probabilities
+and advantages (`benchmarks/step_batching.py` measures it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hgpo_trl.rollout import Completion, StepRecord
+
+
+@dataclass(frozen=True)
+class TrainingRows:
+    """The rows a process trains in one iteration, before they are cut into micro-batches."""
+
+    completions: list[Completion]  # token ids (and sampling log-probabilities) of each row
+    advantages: np.ndarray
+    ids: np.ndarray  # each row's step: its index in the process's rollout, or, balanced, over all processes
+    num_ids: int  # how many steps the ids count (the size of the steps/trained counter)
+    copies: int = 0  # rows here that copy another row (the global fill)
+    balanced: bool = False  # ids count every process's steps: the counter is summed over processes
+
+
+def own_rows(steps: Sequence[StepRecord], advantages: np.ndarray) -> TrainingRows:
+    """Unbalanced: a process trains the steps it played."""
+    return TrainingRows([s.completion for s in steps], np.asarray(advantages, dtype=np.float64),
+                        np.arange(len(steps)), len(steps))
+
+
+def fill_rows(num_rows: int, multiple: int, fill: str, rng: np.random.Generator) -> np.ndarray:
+    """The iteration's rows as indices, every row once, then (`fill="duplicate"`) copies of rows drawn at random
+    without replacement up to a multiple of `multiple` rows, appended, as released."""
+    short = -num_rows % multiple
+    if fill != "duplicate" or not num_rows or not short:
+        return np.arange(num_rows)
+    return np.concatenate([np.arange(num_rows), rng.choice(num_rows, size=short, replace=short > num_rows)])
+
+
+def balanced_partition(lengths: Sequence[int], parts: int) -> list[np.ndarray]:
+    """Positions 0..len(lengths)-1 split into `parts` sets whose sizes differ by at most one, with balanced sums
+    of `lengths`: longest first, each to the set with the smallest sum that still has room (ties: the lower set).
+    Each set in ascending order. A row moves the largest gap by at most its own length."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    capacity = [len(lengths) // parts + (part < len(lengths) % parts) for part in range(parts)]
+    members: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0] * parts
+    for position in np.argsort(-lengths, kind="stable"):
+        part = min((p for p in range(parts) if len(members[p]) < capacity[p]), key=lambda p: (sums[p], p))
+        members[part].append(int(position))
+        sums[part] += int(lengths[position])
+    return [np.sort(np.array(m, dtype=np.int64)) for m in members]
+
+
+def _packed(steps: Sequence[StepRecord], advantages: np.ndarray) -> dict[str, np.ndarray | None]:
+    """One process's rows as flat arrays: what the all-gather carries (4 bytes a token, 8 a log-probability)."""
+    flat = lambda lists, dtype: np.fromiter((x for xs in lists for x in xs), dtype=dtype)  # noqa: E731
+    logprobs = [s.completion.logprobs for s in steps]
+    return {"prompt_lengths": np.array([len(s.completion.prompt_ids) for s in steps], dtype=np.int64),
+            "prompts": flat((s.completion.prompt_ids for s in steps), np.int32),
+            "completion_lengths": np.array([len(s.completion.completion_ids) for s in steps], dtype=np.int64),
+            "completions": flat((s.completion.completion_ids for s in steps), np.int32),
+            "advantages": np.asarray(advantages, dtype=np.float64),
+            "logprobs": None if not steps or any(lp is None for lp in logprobs) else
+            flat(([np.nan if x is None else x for x in lp] for lp in logprobs), np.float64)}
+
+
+class _Rows:
+    """Row `i` of one process's packed arrays, as a Completion."""
+
+    def __init__(self, packed: dict[str, np.ndarray | None]):
+        self.packed = packed
+        self.prompt_starts = np.r_[0, np.cumsum(packed["prompt_lengths"])]
+        self.completion_starts = np.r_[0, np.cumsum(packed["completion_lengths"])]
+
+    def __getitem__(self, i: int) -> Completion:
+        p, (a, b), (c, d) = self.packed, self.prompt_starts[i:i + 2], self.completion_starts[i:i + 2]
+        logprobs = None if p["logprobs"] is None else p["logprobs"][c:d].tolist()
+        return Completion("", p["prompts"][a:b].tolist(), p["completions"][c:d].tolist(), logprobs)
+
+
+def balanced_rows(accelerator, steps: Sequence[StepRecord], advantages: np.ndarray, *, fill_multiple: int,
+                  fill: str, seed: Sequence[int]) -> TrainingRows:
+    """This process's share of every process's rows (`balance_steps`). Every process must call it; `seed` must
+    be the same on all of them (it draws the fill's copies)."""
+    from accelerate.utils import gather_object
+
+    packed = _packed(steps, advantages)
+    everyone = gather_object([packed]) if accelerator.num_processes > 1 else [packed]
+    lengths = np.concatenate([p["prompt_lengths"] + p["completion_lengths"] for p in everyone])
+    rows = fill_rows(len(lengths), fill_multiple, fill, np.random.default_rng(list(seed)))
+    positions = balanced_partition(lengths[rows], accelerator.num_processes)[accelerator.process_index]
+    mine = rows[positions]
+    starts = np.cumsum([0] + [len(p["advantages"]) for p in everyone])
+    owners = np.searchsorted(starts, mine, side="right") - 1
+    tables = [_Rows(p) for p in everyone]
+    return TrainingRows([tables[o][i - starts[o]] for i, o in zip(mine, owners, strict=True)],
+                        np.concatenate([p["advantages"] for p in everyone])[mine], mine, len(lengths),
+                        copies=int(np.sum(positions >= len(lengths))), balanced=True)

@@ -1,0 +1,66 @@
+"""balance_steps' plan (hgpo_trl.balance): the released fill, equal-size sets with balanced token counts, and the
+rows' round trip through the packed arrays the all-gather carries. tests/test_distributed.py runs it on 2
+processes."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hgpo_trl.balance import balanced_partition, balanced_rows, fill_rows, own_rows
+from hgpo_trl.rollout import Completion, StepRecord
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", range(5))
+def test_partition_sizes_differ_by_one_at_most_and_token_sums_by_one_row(parts, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(50, 2_000, size=int(rng.integers(0, 200)))
+    sets = balanced_partition(lengths, parts)
+    assert len(sets) == parts
+    assert sorted(np.concatenate(sets).tolist()) == list(range(len(lengths)))  # every row once
+    sizes = [len(s) for s in sets]
+    assert max(sizes) - min(sizes) <= 1 and all(np.all(np.diff(s) > 0) for s in sets)
+    sums = [int(lengths[s].sum()) for s in sets]
+    if len(lengths):
+        assert max(sums) - min(sums) <= lengths.max()
+    assert [s.tolist() for s in balanced_partition(lengths, parts)] == [s.tolist() for s in sets]  # deterministic
+
+
+def test_partition_balances_what_rollout_order_would_not():
+    # Process 0 played long episodes, process 1 short ones: split in rollout order, one set holds all the tokens.
+    lengths = np.r_[np.full(40, 1_500), np.full(8, 300)]
+    sets = balanced_partition(lengths, 2)
+    assert [len(s) for s in sets] == [24, 24]
+    assert [int(lengths[s].sum()) for s in sets] == [31_200, 31_200]
+
+
+def test_fill_copies_random_rows_up_to_the_multiple_as_released():
+    rows = fill_rows(13, 8, "duplicate", np.random.default_rng(0))
+    assert len(rows) == 16 and rows[:13].tolist() == list(range(13))
+    assert len(set(rows[13:].tolist())) == 3  # drawn without replacement
+    assert fill_rows(16, 8, "duplicate", np.random.default_rng(0)).tolist() == list(range(16))
+    assert fill_rows(13, 8, "pad", np.random.default_rng(0)).tolist() == list(range(13))
+    assert len(fill_rows(3, 16, "duplicate", np.random.default_rng(0))) == 16  # more copies than rows
+    assert fill_rows(0, 8, "duplicate", np.random.default_rng(0)).tolist() == []
+
+
+def step(i: int, prompt: list[int], completion: list[int], logprobs=None) -> StepRecord:
+    return StepRecord(group=0, traj=i, step=0, observation="o", prompt="p",
+                      completion=Completion("text", prompt, completion, logprobs), action="a", reward=0.0,
+                      shown_history=0)
+
+
+def test_one_process_trains_every_row_with_its_tokens_and_log_probabilities():
+    steps = [step(0, [5, 6, 7], [8], [-0.5]), step(1, [5], [9, 10], [-1.0, None]), step(2, [151_000], [3], [0.0])]
+    single = SimpleNamespace(num_processes=1, process_index=0)
+    rows = balanced_rows(single, steps, np.array([0.1, 0.2, 0.3]), fill_multiple=4, fill="duplicate", seed=(0, 0))
+    assert rows.balanced and rows.num_ids == 3 and rows.copies == 1 and len(rows.completions) == 4
+    for row, i, advantage in zip(rows.completions, rows.ids, rows.advantages, strict=True):
+        original = steps[i].completion
+        assert (row.prompt_ids, row.completion_ids) == (original.prompt_ids, original.completion_ids)
+        assert advantage == [0.1, 0.2, 0.3][i]
+        assert np.allclose(row.logprobs, [np.nan if x is None else x for x in original.logprobs], equal_nan=True)
+    without = balanced_rows(single, [step(0, [1], [2])], np.zeros(1), fill_multiple=1, fill="pad", seed=(0, 0))
+    assert without.completions[0].logprobs is None and without.copies == 0
+    assert own_rows(steps, np.zeros(3)).ids.tolist() == [0, 1, 2] and not own_rows(steps, np.zeros(3)).balanced
