@@ -37,7 +37,8 @@ def register_env(name: str, factory: EnvFactory, tasks: TaskFactory | None = Non
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"environment {name!r} is already registered (pass overwrite=True to replace it)")
     if not isinstance(invalid_tail_chars, int) or invalid_tail_chars < 0:
-        raise ValueError(f"environment {name!r}: invalid_tail_chars must be an integer >= 0, got {invalid_tail_chars!r}")
+        raise ValueError(f"environment {name!r}: invalid_tail_chars must be an integer >= 0 (0: show nothing), "
+                         f"got {invalid_tail_chars!r}")
     _REGISTRY[name] = EnvSpec(factory, tasks, fast, prompt_has_format, invalid_tail_chars)
 
 

@@ -102,7 +102,7 @@ def _drop_think_blocks(text: str) -> str:
 
 def invalid_tail(text: str, chars: int = INVALID_TAIL_CHARS) -> str:
     """What memory keeps of an invalid output, so the model sees what it did: its last characters."""
-    return _SPACES.sub(" ", text if isinstance(text, str) else "").strip()[-chars:]
+    return _SPACES.sub(" ", text if isinstance(text, str) else "").strip()[-chars:] if chars > 0 else ""
 
 
 def project_released(text: str, tail_chars: int = INVALID_TAIL_CHARS, *, require_think: bool = True,

@@ -5,10 +5,11 @@ Advantages are computed where the groups were played. Then, balanced, the iterat
 process-major in rollout order) are filled to a multiple of `fill_multiple` with copies of random rows (the
 released `adjust_batch(mode="copy")`, before the split) and split into one set per process, sizes within one row
 of each other, token counts balanced (verl's `_balance_batch`): every optimizer step then trains exactly
-`mini_batch_size` rows over all processes (the last aside), and no process runs micro-batches of padding alone
-while another trains. The plan is a pure function of the rows' token counts and a seed every process shares, so
-each process computes the same plan; the rows travel in one all-gather of token ids, sampling log-probabilities
-and advantages (`benchmarks/step_batching.py` measures it).
+`mini_batch_size` rows over all processes (the last aside); filled (`fill_last_micro_batch: duplicate`) to a
+multiple of the micro-batch x processes, no process runs a micro-batch of padding alone while another trains.
+The plan is a pure function of the rows' token counts and a seed every process shares, so each process computes
+the same plan; the rows travel in one all-gather of token ids, sampling log-probabilities and advantages
+(`benchmarks/balance.py` measures it).
 """
 
 from __future__ import annotations
@@ -63,30 +64,37 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[np.ndarray]:
     return [np.sort(np.array(m, dtype=np.int64)) for m in members]
 
 
-def _packed(steps: Sequence[StepRecord], advantages: np.ndarray) -> dict[str, np.ndarray | None]:
+def _packed(steps: Sequence[StepRecord], advantages: np.ndarray) -> dict[str, np.ndarray]:
     """One process's rows as flat arrays: what the all-gather carries (4 bytes a token, 8 a log-probability)."""
     flat = lambda lists, dtype: np.fromiter((x for xs in lists for x in xs), dtype=dtype)  # noqa: E731
-    logprobs = [s.completion.logprobs for s in steps]
-    return {"prompt_lengths": np.array([len(s.completion.prompt_ids) for s in steps], dtype=np.int64),
-            "prompts": flat((s.completion.prompt_ids for s in steps), np.int32),
-            "completion_lengths": np.array([len(s.completion.completion_ids) for s in steps], dtype=np.int64),
-            "completions": flat((s.completion.completion_ids for s in steps), np.int32),
+    completions = [s.completion for s in steps]
+    for c in completions:
+        if c.logprobs is not None and len(c.logprobs) != len(c.completion_ids):
+            raise ValueError(f"a completion has {len(c.logprobs)} sampling log-probabilities for "
+                             f"{len(c.completion_ids)} tokens")
+    return {"prompt_lengths": np.array([len(c.prompt_ids) for c in completions], dtype=np.int64),
+            "prompts": flat((c.prompt_ids for c in completions), np.int32),
+            "completion_lengths": np.array([len(c.completion_ids) for c in completions], dtype=np.int64),
+            "completions": flat((c.completion_ids for c in completions), np.int32),
             "advantages": np.asarray(advantages, dtype=np.float64),
-            "logprobs": None if not steps or any(lp is None for lp in logprobs) else
-            flat(([np.nan if x is None else x for x in lp] for lp in logprobs), np.float64)}
+            "has_logprobs": np.array([c.logprobs is not None for c in completions], dtype=bool),
+            "logprobs": flat(([np.nan if x is None else x for x in c.logprobs] for c in completions
+                              if c.logprobs is not None), np.float64)}
 
 
 class _Rows:
     """Row `i` of one process's packed arrays, as a Completion."""
 
-    def __init__(self, packed: dict[str, np.ndarray | None]):
+    def __init__(self, packed: dict[str, np.ndarray]):
         self.packed = packed
         self.prompt_starts = np.r_[0, np.cumsum(packed["prompt_lengths"])]
         self.completion_starts = np.r_[0, np.cumsum(packed["completion_lengths"])]
+        self.logprob_starts = np.r_[0, np.cumsum(packed["completion_lengths"] * packed["has_logprobs"])]
 
     def __getitem__(self, i: int) -> Completion:
         p, (a, b), (c, d) = self.packed, self.prompt_starts[i:i + 2], self.completion_starts[i:i + 2]
-        logprobs = None if p["logprobs"] is None else p["logprobs"][c:d].tolist()
+        e, f = self.logprob_starts[i:i + 2]
+        logprobs = p["logprobs"][e:f].tolist() if p["has_logprobs"][i] else None
         return Completion("", p["prompts"][a:b].tolist(), p["completions"][c:d].tolist(), logprobs)
 
 

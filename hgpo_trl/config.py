@@ -362,6 +362,9 @@ class HGPOConfig(GRPOConfig):
             ("fill_multiple", self.fill_multiple is None or (self.fill_multiple >= 1 and self.fill_multiple
                                                              % self.per_device_train_batch_size == 0),
              f"None or a positive multiple of per_device_train_batch_size ({self.per_device_train_batch_size})"),
+            ("fill_multiple", self.fill_multiple is None or (self.balance_steps
+                                                             and self.fill_last_micro_batch == "duplicate"),
+             "None unless balance_steps is true and fill_last_micro_batch is 'duplicate' (it sets their fill)"),
             ("mini_batch_size", self.mini_batch_size is None or self.mini_batch_size >= 1, "None or an integer >= 1"),
             ("eval_every_iterations", self.eval_every_iterations is None or self.eval_every_iterations >= 1,
              "None or an integer >= 1"),

@@ -133,7 +133,7 @@ def gathered_metrics(accelerator, local: dict[str, float]) -> dict[str, float]:
 
 
 def log_completions(trainer, steps, advantages: np.ndarray) -> None:
-    """The trained samples of an iteration (prompt, completion, reward, advantage) of every process into TRL's
+    """The samples of an iteration (prompt, completion, reward, advantage) of every process into TRL's
     completions table (`trainer._logs`), when `log_completions` asks for it: an ALFWorld iteration holds
     thousands of prompts of thousands of tokens. Every process must call it."""
     if not trainer.args.log_completions:

@@ -54,6 +54,7 @@ def test_bad_mode_and_non_text():
 def test_invalid_tail_keeps_the_end_of_the_output():
     assert invalid_tail("x" * 50 + " I will  go\nto the hall") == ("x" * 50 + " I will go to the hall")[-30:]
     assert invalid_tail("") == ""
+    assert invalid_tail("anything", 0) == ""  # an environment that shows nothing of an invalid output
 
 
 def test_an_admissible_action_matches_up_to_case_and_the_spaces_a_word_level_tokenizer_puts_around_brackets():

@@ -61,6 +61,9 @@ def test_one_process_trains_every_row_with_its_tokens_and_log_probabilities():
         assert (row.prompt_ids, row.completion_ids) == (original.prompt_ids, original.completion_ids)
         assert advantage == [0.1, 0.2, 0.3][i]
         assert np.allclose(row.logprobs, [np.nan if x is None else x for x in original.logprobs], equal_nan=True)
-    without = balanced_rows(single, [step(0, [1], [2])], np.zeros(1), fill_multiple=1, fill="pad", seed=(0, 0))
-    assert without.completions[0].logprobs is None and without.copies == 0
+    mixed = balanced_rows(single, [step(0, [1], [2]), step(1, [3], [4, 5], [-0.1, -0.2])], np.zeros(2),
+                          fill_multiple=1, fill="pad", seed=(0, 0))
+    assert [c.logprobs for c in mixed.completions] == [None, [-0.1, -0.2]] and mixed.copies == 0
+    with pytest.raises(ValueError, match="1 sampling log-probabilities for 2 tokens"):
+        balanced_rows(single, [step(0, [1], [2, 3], [-0.1])], np.zeros(1), fill_multiple=1, fill="pad", seed=(0, 0))
     assert own_rows(steps, np.zeros(3)).ids.tolist() == [0, 1, 2] and not own_rows(steps, np.zeros(3)).balanced

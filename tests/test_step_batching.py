@@ -89,7 +89,9 @@ def test_mini_batch_size_sets_the_accumulation_and_train_iterations_bound_max_st
     ({"fill_last_micro_batch": "copy"}, "HGPOConfig.fill_last_micro_batch must be one of"),
     ({"step_batching": "fixed_budget", "balance_steps": True, "mini_batch_size": None, "train_iterations": 2},
      "HGPOConfig.balance_steps must be false under step_batching 'fixed_budget'"),
-    ({"balance_steps": True, "fill_multiple": 6},
+    ({"balance_steps": True, "fill_multiple": 8},  # the default fill, pad: nothing to fill
+     "HGPOConfig.fill_multiple must be None unless balance_steps is true and fill_last_micro_batch is 'duplicate'"),
+    ({"balance_steps": True, "fill_last_micro_batch": "duplicate", "fill_multiple": 6},
      r"HGPOConfig.fill_multiple must be None or a positive multiple of per_device_train_batch_size \(4\)"),
 ])
 def test_bad_all_steps_settings_name_the_field(tmp_path, overrides, message):

@@ -94,7 +94,7 @@ def progpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, 
     if not np.isfinite(lam):
         raise ValueError(f"lam must be finite, got {lam}")
     if batch.action is None:
-        raise ValueError("progpo needs StepBatch.action (the parsed action text; None for invalid steps)")
+        raise ValueError("progpo needs StepBatch.action (the action text sent to the environment; None where nothing was sent)")
     steps = sort_steps(batch)
     returns = sorted_returns(steps, gamma, invalid_penalty)
     peer = Groups.of(prefix_keys(steps, codes(steps.take(batch.action), "action"))).normalize(returns, norm)
