@@ -167,6 +167,9 @@ def test_none_is_a_no_op_and_other_text_goes_to_the_game(expert_env):
     assert after["admissible_actions"] == info["admissible_actions"] and after["step"] == 1
     assert after["expert_action"] == info["expert_action"]
     assert expert_env.step("dance with the desklamp")[0] == NOTHING
+    # invalid_action="execute" sends whatever an output yields: the game answers, it never fails.
+    for hostile in ("a" * 100_000, "\x00\ud800 go to", "{{7*7}} %s {0}", "go to desk 1\ngo to desk 2", "", "这是"):
+        assert expert_env.step(hostile)[0] == NOTHING
     assert expert_env.step(info["admissible_actions"][0])[0].startswith("You arrive at ")
 
 
