@@ -19,7 +19,7 @@ benchmarks/learning.py) or, without it, the config's model warm-started here and
 share of tasks whose gold key scores above the other key, the share whose choice between the two keys is
 confident (> 0.9), the mean probability of taking each key colour, and the mean probability of the right answer
 at the room, hall and vault (after the gold key). Writes `output_dir/probe.json`. Figures: docs/results.md,
-"Session 4".
+"The model can learn the game".
 
 `--updates 0` only evaluates: it diagnoses a stalled run's checkpoint (a colour ranking instead of the rule):
 
