@@ -153,7 +153,8 @@ def plot_learning(log_history: list[dict[str, Any]], path: str | Path) -> Path:
     top.legend(loc="lower right")
     bottom.set_ylabel("episode reward")
     bottom.set_xlabel("iteration")
-    fig.tight_layout()
+    _titled(fig, "Learning: success and reward per iteration",
+            "lines: the training rollouts of each iteration; dots: the validation games at each evaluation")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
@@ -189,8 +190,17 @@ def plot_levels(log_history: list[dict[str, Any]], group_sizes: list[list[int]],
     right.set_ylabel("groups in the last rollout")
     if group_sizes:
         right.legend()
-    fig.tight_layout()
+    _titled(fig, "HGPO's hierarchy of groups",
+            "level k: the steps of a task group that share the current observation and the k (observation, action) "
+            "pairs before it")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return Path(path)
 
+
+def _titled(fig, title: str, line: str) -> None:
+    """A figure's title and, under it in smaller type, the one line that says how to read it."""
+    inches = fig.get_figheight()  # the two lines take the same room (in inches) whatever the figure's height
+    fig.suptitle(title, y=1 - 0.08 / inches, va="top", fontsize=12)
+    fig.text(0.5, 1 - 0.34 / inches, line, ha="center", va="top", fontsize=8.5, color="0.3")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.55 / inches))
