@@ -309,10 +309,21 @@ def check_known(names: list[str], known: set[str], where: str, prog: str) -> Non
     """A ConfigError naming every unknown key of `where`, each with the closest known one."""
     unknown = [name for name in names if name not in known]
     if unknown:
-        named = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, known, 1))
-                 else name for name in unknown]
+        named = [f"{name} (did you mean {close[0]}?)" if (close := _closest(name, known)) else name for name in unknown]
         raise ConfigError(f"Unknown arguments from {where}: {', '.join(named)}; every key must be a field "
                           f"(python {prog} --help lists them)")
+
+
+def _closest(name: str, known: set[str]) -> list[str]:
+    """The known name closest to `name`; an estimator option's own name (`depth`, `norm`, `lam`, as
+    `compute_advantages` takes them) maps to the config field that sets it (`hierarchy_depth`, ...)."""
+    from hgpo_trl.config import ESTIMATOR_FIELDS
+
+    dashes = name[:len(name) - len(name.lstrip("-"))]
+    fields = {option: field for field, option in ESTIMATOR_FIELDS.items() if option != field}
+    if (field := fields.get(name.lstrip("-"))) and dashes + field in known:
+        return [dashes + field]
+    return difflib.get_close_matches(name, known, 1)
 
 
 def _reads_as(text: str, expected: tuple[type, ...]) -> bool:

@@ -215,6 +215,7 @@ class HGPOConfig(GRPOConfig):
             self._set_all_steps_accumulation(processes)
         elif self.mini_batch_size is not None:
             raise ValueError("HGPOConfig.mini_batch_size is read only under step_batching='all_steps'")
+        self._check_eval_batch(processes)
         try:
             super().__post_init__()
         except ValueError as err:
@@ -314,6 +315,20 @@ class HGPOConfig(GRPOConfig):
             self.gradient_accumulation_steps = per_process
         if self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = self.gradient_accumulation_steps * self.num_generations
+
+    def _check_eval_batch(self, processes: int) -> None:
+        """TRL requires, where a run evaluates on its steps, an evaluation batch over all processes that
+        num_generations divides (hgpo-trl's evaluation plays each task once and never uses that batch): checked
+        here, naming the fields, before TRL's message names neither."""
+        strategy = str(getattr(self.eval_strategy, "value", self.eval_strategy))
+        generations = self.num_generations_eval or self.num_generations
+        batch = self.per_device_eval_batch_size * processes
+        if strategy != "no" and generations and batch % generations:
+            raise ValueError(
+                f"HGPOConfig.num_generations ({generations}) must divide per_device_eval_batch_size "
+                f"({self.per_device_eval_batch_size}) x processes ({processes}), TRL's evaluation batch (hgpo-trl's "
+                f"evaluation plays each task once and does not use it): set per_device_eval_batch_size to a multiple "
+                f"of {generations // math.gcd(generations, processes)}")
 
     def _check_fields(self) -> None:
         checks = [

@@ -42,6 +42,9 @@ ROWS = [
     ("unknown-key", "learning_rat: 0.1\n", [], None, r"config file .*c\.yaml: learning_rat", r"did you mean learning_rate\?"),
     ("unknown-key-far", "flux_capacitor: 1\n", [], None, r"flux_capacitor", r"every key must be a field"),
     ("unknown-option", "", ["--gamm", "0.5"], None, r"command line: --gamm", r"did you mean --gamma\?"),
+    # The estimators' own option names (compute_advantages(..., depth=3)) lead to the fields that set them.
+    ("estimator-option-name", "", ["--depth", "3"], None, r"command line: --depth", r"did you mean --hierarchy_depth\?"),
+    ("estimator-option-in-yaml", "lam: 0.5\n", [], None, r"config file .*c\.yaml: lam", r"did you mean progpo_lambda\?"),
     ("env-not-mapping", "env: [1]\n", [], None, r"env in .*c\.yaml", r"must be a mapping of environment variables"),
     # Wrong types
     ("float-for-int", "history_length: 2.5\n", [], None, r"HGPOConfig\.history_length", r"must be int, got 2\.5"),
@@ -98,6 +101,9 @@ ROWS = [
      r"set per_device_train_batch_size or steps_per_generation"),
     ("steps-per-generation-vs-generations", "num_generations: 4\nper_device_train_batch_size: 2\n"
      "steps_per_generation: 3\n", [], None, r"generation_batch_size \(6\)", r"multiple of num_generations \(4\)"),
+    ("eval-batch-vs-generations", "num_generations: 3\nper_device_train_batch_size: 3\neval_strategy: steps\n"
+     "eval_steps: 5\n", [], None, r"HGPOConfig\.num_generations \(3\) must divide per_device_eval_batch_size \(8\)",
+     r"set per_device_eval_batch_size to a multiple of 3"),
     ("generation-batch-and-steps", "generation_batch_size: 16\nsteps_per_generation: 2\n", [], None,
      r"'generation_batch_size' and 'steps_per_generation'", r"can not be both configured"),
     ("generation-batch-vs-batch", "generation_batch_size: 12\nper_device_train_batch_size: 8\n", [], None,
