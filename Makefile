@@ -24,7 +24,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 # The cores this process may use. Not a bare nproc: it answers OMP_NUM_THREADS, which CI sets to 1.
 CORES := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 
-.PHONY: test test-all demo lint bench system-deps deepspeed-ops clean gpu-wheels rehearse rehearse-all
+.PHONY: test test-all demo install lint bench system-deps deepspeed-ops clean gpu-wheels rehearse rehearse-all
 
 # One stamp per set of extras: `make test` after `make demo` adds what the tests need. The venv goes first on
 # PATH because fast-downward-textworld's build (alfworld) runs a bare `python build.py`.
@@ -70,6 +70,11 @@ test-all: $(VENV)/.installed-$(TEST_EXTRAS)
 # The demo is one process, so it may use the cores (up to 4: a tiny model gains nothing from more); the tests
 # keep one thread each, many of their processes share the machine.
 DEMO_THREADS ?= $(shell n=$(CORES); echo $$(( n < 4 ? n : 4 )))
+
+# An environment's extra (or several) in this clone's .venv, with uv as the tests' set-up does:
+# `make install EXTRAS=alfworld,textarena` (what `pip install "hgpo-trl[alfworld,textarena]"` is outside a clone).
+EXTRAS ?= dev
+install: $(VENV)/.installed-$(EXTRAS)
 
 # DEMO_ARGS: train.py options after the config, e.g. `make demo DEMO_ARGS="--seed 3"`.
 DEMO_ARGS ?=

@@ -104,3 +104,11 @@ def test_a_module_named_envs_earlier_on_the_path_does_not_shadow_ours(tmp_path):
     code = "import importlib\ntheirs = importlib.import_module('envs')\nassert theirs.THEIRS\n" + PLAY_ONE_EPISODE
     init, _ = run_python(sys.executable, code, cwd=tmp_path, PYTHONPATH=str(tmp_path))
     assert Path(init) == ROOT / "hgpo_trl" / "envs" / "__init__.py"
+
+
+def test_make_install_adds_the_named_extras_to_the_clones_venv():
+    """`make install EXTRAS=...`: what `pip install "hgpo-trl[...]"` is inside a clone (dry run: -n prints, -B as
+    if nothing were installed yet)."""
+    commands = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=alfworld,textarena"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    assert '-e ".[alfworld,textarena]"' in commands and "touch .venv/.installed-alfworld,textarena" in commands
