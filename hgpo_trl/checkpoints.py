@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,15 +107,36 @@ def load_weights(model, folder: Path) -> None:
                          f"{unexpected[:3]})")
 
 
+@dataclass
+class RunClock:
+    """A run's wall time in segments: those of the runs it resumes (each up to its checkpoint, which carries
+    them) and its own, counted from `start` (train.py sets the time it started)."""
+
+    start: float = field(default_factory=time.time)
+    before: list[float] = field(default_factory=list)
+
+    def segments(self) -> list[float]:
+        return [*self.before, round(time.time() - self.start, 1)]
+
+
+def without_tied_keys(model, load_result):
+    """`load_result` of a checkpoint's load less the missing weights tied to a loaded one (the LM head under tied
+    embeddings, saved once with its twin), which the Trainer would report as if weights were lost."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {p.data_ptr() for name, p in parameters.items() if name not in load_result.missing_keys}
+    missing = [k for k in load_result.missing_keys if k not in parameters or parameters[k].data_ptr() not in loaded]
+    return load_result._replace(missing_keys=missing) if hasattr(load_result, "_replace") else load_result
+
+
 def save_checkpoint(trainer, trial, parent_save: Callable[[], None]) -> None:
     """The Trainer's checkpoint (`parent_save()`) plus each process's own run state (the iterations played, the
-    fault streak, its sub-sampling stream, seeded per process), staged (`save_staged`)."""
+    fault streak, its sub-sampling stream, seeded per process, the wall time so far), staged (`save_staged`)."""
 
     def write(folder: str) -> None:
         parent_save()
         write_trainer_state(folder, trainer.accelerator.process_index, {
             "iterations": trainer.completed_iterations, "faulty_streak": trainer._faults.count,
-            "sample_rng": trainer._sample_rng.bit_generator.state})
+            "sample_rng": trainer._sample_rng.bit_generator.state, "wall_seconds": trainer.clock.segments()})
 
     save_staged(trainer, trial, write)
 
@@ -127,6 +150,7 @@ def load_run_state(trainer, checkpoint: str) -> None:
     trainer._faults.count = state.get("faulty_streak", trainer._faults.count)
     if "sample_rng" in state:
         trainer._sample_rng.bit_generator.state = state["sample_rng"]
+    trainer.clock.before = state.get("wall_seconds", [])
 
 
 class ResumeError(ValueError):

@@ -102,6 +102,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
             model.config._name_or_path = ""
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args))
+    trainer.clock.start = start
     if eval_tasks is not None and env_args.eval_before_training and not args.resume_from_checkpoint:
         # (a resumed run has it in its log history)
         trainer.add_callback(EvaluationBeforeTraining(trainer.evaluate()))
@@ -124,7 +125,8 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
         "iterations": trainer.completed_iterations,
         "stopped_early": trainer.early_stop.reason,  # None: every train_iteration ran
         "optimizer_steps": trainer.state.global_step,
-        "wall_seconds": round(time.time() - start, 1),
+        # A resumed run: the runs it continues (each up to its checkpoint), then its own.
+        "wall_seconds": round(sum(segments := trainer.clock.segments()), 1), "wall_seconds_segments": segments,
         **warmstart,
         "config": {"env": dataclasses.asdict(env_args), "trainer": args.to_dict(),
                    "model": dataclasses.asdict(model_args)},

@@ -26,11 +26,13 @@ from trl import GRPOTrainer
 
 from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
 from hgpo_trl.checkpoints import (
+    RunClock,
     check_resume,
     cpu_map_location,
     load_run_state,
     save_checkpoint,
     save_in_memory_weights,
+    without_tied_keys,
 )
 from hgpo_trl.collective import any_process, process_max, process_sum
 from hgpo_trl.config import HGPOConfig, check_trainer_inputs
@@ -108,6 +110,7 @@ class HGPOTrainer(GRPOTrainer):
         self._faults = FaultStreak(args.max_faulty_iterations)
         self._micro_batches: deque[dict[str, Any]] = deque()  # all_steps: the current iteration's, in order
         self._trained = TrainedSteps()  # all_steps: the steps/trained counters
+        self.clock = RunClock()  # the wall time, over the runs this one resumes
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
         check_trainer_inputs(args, eval_dataset is not None, self.accelerator.state.deepspeed_plugin.deepspeed_config
                              if self.is_deepspeed_enabled else None)
@@ -317,13 +320,11 @@ class HGPOTrainer(GRPOTrainer):
                              log_history=self.state.log_history, completed_iterations=self.completed_iterations)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The parent's checkpoint plus the iterations played, written in a staging folder and renamed into
-        place (`hgpo_trl.checkpoints`)."""
+        """The parent's checkpoint plus our run state, staged, then renamed into place (`hgpo_trl.checkpoints`)."""
         save_checkpoint(self, trial, partial(super()._save_checkpoint, model, trial))
 
     def _determine_best_metric(self, metrics, trial) -> bool:
-        """The Trainer marks the best step only under step or epoch save strategies: also under
-        save_every_iterations, so load_best_model_at_end and rotation know the best checkpoint."""
+        """The best step, marked under save_every_iterations too (load_best_model_at_end and rotation read it)."""
         is_new_best = super()._determine_best_metric(metrics, trial)
         if is_new_best and self.args.save_every_iterations:
             self.state.best_global_step = self.state.global_step
@@ -333,6 +334,9 @@ class HGPOTrainer(GRPOTrainer):
         """The parent's, refusing before any step a checkpoint that another number of processes saved."""
         check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
         return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         with cpu_map_location(self.args.device):

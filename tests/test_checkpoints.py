@@ -213,3 +213,13 @@ def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tm
     with pytest.raises(ResumeError, match="was saved by 2 processes and this run has 1"):
         check_resume(str(old), args, processes=1, saved_start=False)
     check_resume(str(old), args, processes=2, saved_start=False)
+
+
+def test_a_weight_tied_to_a_loaded_one_is_not_reported_missing(tiny_model):
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from hgpo_trl.checkpoints import without_tied_keys
+
+    assert tiny_model.get_output_embeddings().weight is tiny_model.get_input_embeddings().weight  # tied
+    result = without_tied_keys(tiny_model, _IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
+    assert result.missing_keys == ["model.norm.weight"] and result.unexpected_keys == []

@@ -118,7 +118,7 @@ def test_configuration_errors_exit_with_a_message(tmp_path, capsys):
     assert "configuration error: HGPOConfig.estimator must be one of" in capsys.readouterr().err
 
 
-def test_resume_from_checkpoint_continues_the_run(tmp_path):
+def test_resume_from_checkpoint_continues_the_run(tmp_path, capfd):
     import json
 
     from hgpo_trl.cli import main
@@ -134,9 +134,16 @@ plots: false
     start = json.loads((out / "summary.json").read_text())["success_rate_start"]
     checkpoint = out / "checkpoint-2"
     assert (checkpoint / "trainer_state.json").exists() and (checkpoint / "model.safetensors").exists()
+    first = json.loads((out / "summary.json").read_text())["wall_seconds"]
+    capfd.readouterr()
     main(["--config", write(tmp_path, base + "train_iterations: 4\n"), "--resume_from_checkpoint", str(checkpoint)])
+    # The tiny model ties its LM head to the embeddings: saved once, not "missing" when the checkpoint loads.
+    assert "missing keys" not in capfd.readouterr().err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["optimizer_steps"] == 4 and (out / "checkpoint-4").exists()
+    # The wall time of both runs: the first up to its checkpoint at iteration 2 (its end), then the resumed one.
+    earlier, resumed = summary["wall_seconds_segments"]
+    assert 0 < earlier <= first and resumed > 0 and summary["wall_seconds"] == pytest.approx(earlier + resumed, abs=0.1)
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     # The resumed run logged iterations 3 and 4 on top of the checkpoint's history of 1 and 2.
     assert [h["step"] for h in state["log_history"] if "env/success_rate" in h] == [1, 2, 3, 4]
