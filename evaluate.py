@@ -6,7 +6,7 @@
     python evaluate.py --help
 """
 
-from hgpo_trl.evaluate import main
+from hgpo_trl.entry_points import evaluate as main  # --help answers before the training stack is imported
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@
     python train.py --help
 """
 
-from hgpo_trl.cli import main
+from hgpo_trl.entry_points import train as main  # --help answers before the training stack is imported
 
 if __name__ == "__main__":
     main()

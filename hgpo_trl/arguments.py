@@ -3,7 +3,6 @@ dataclasses, with `--help` grouped by section and every problem a `ConfigError` 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import importlib
@@ -17,22 +16,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from transformers import TrainingArguments
-from trl import GRPOConfig, ModelConfig, TrlParser
+from trl import ModelConfig
 
-from hgpo_trl.config import (
-    HELP_SECTIONS,
-    HGPOConfig,
-    estimator_fields,
-    help_section,
-    unread_estimator_fields,
-    user_warning,
-)
 from hgpo_trl.envs.registry import registered_envs
 from hgpo_trl.export import ADAPTER_CONFIG
+from hgpo_trl.parser import ConfigError, SectionParser, with_full_help
+
+if TYPE_CHECKING:
+    from hgpo_trl.config import HGPOConfig
 
 TINY = "tiny"
 
@@ -94,71 +88,45 @@ class RehearsalArguments:
         default=80.0, metadata={"help": "--rehearse: the memory of one GPU of the real run, in GiB."})
 
 
+PAPER_SEEDS = (123, 456, 789)  # the released validation seeds
+
+
+@dataclass
+class EvalArguments:
+    """What to evaluate and where the results go; everything else comes from the training config."""
+
+    policy: list[str] = field(
+        default_factory=lambda: ["model"],
+        metadata={"help": "Players, one row each: 'model' (model_name_or_path), 'random' (uniform over the "
+                          "admissible actions), 'expert' (the environment's scripted expert: ALFWorld's handcoded "
+                          "one). 'random' and 'expert' load no model."})
+    seeds: list[int] = field(
+        default_factory=lambda: list(PAPER_SEEDS),
+        metadata={"help": "Evaluation seeds (sampling, the random player, the expert's tie-breaks); mean and std "
+                          "are taken over them."})
+    greedy: bool = field(default=False, metadata={"help": "Greedy decoding (instead of eval_temperature)."})
+    splits: list[str] | None = field(
+        default=None, metadata={"help": "Task splits to evaluate (default: alfworld valid_seen valid_unseen, webshop "
+                                        "test, keydoor valid, other environments eval_split)."})
+    num_envs: int | None = field(
+        default=None, metadata={"help": "Environments played at once (default: tasks_per_device x num_generations, "
+                                        "as a training rollout)."})
+    episodes_per_seed: int | None = field(
+        default=None, metadata={"help": "Play this many episodes per split and seed, cycling through all of the "
+                                        "split's tasks (num_eval_tasks is then not read); the released evaluation "
+                                        "plays 512 (4 x 128). None: every task once."})
+    eval_output_dir: str | None = field(
+        default=None, metadata={"help": "Folder of evaluation.json and evaluation.md; default: 'evaluation' beside "
+                                        "the evaluated model (inside its folder), or the config's "
+                                        "output_dir/evaluation for a hub id, 'tiny' or reference players only. A "
+                                        "folder that already holds a result is never overwritten: the next free "
+                                        "evaluation-N is used, and said."})
+
+
 def flag_value(text: str) -> bool | None:
     """A boolean option's value as the parser reads it (yes/no, true/false, t/f, y/n, 1/0); None: not one."""
     return {"yes": True, "true": True, "t": True, "y": True, "1": True,
             "no": False, "false": False, "f": False, "n": False, "0": False}.get(text.lower())
-
-
-class ConfigError(ValueError):
-    """A configuration a run cannot start with; the message names the field and what was expected."""
-
-
-class _Parser(TrlParser):
-    """TrlParser with `--help` in sections, ours first (each command's own options, the environment, HGPOConfig's
-    own fields by topic, the model), then TRL's GRPOConfig and Transformers' TrainingArguments fields."""
-
-    def __init__(self, sections: tuple[type, ...], prog: str):
-        self._section_types = sections
-        super().__init__(sections, prog=prog, allow_abbrev=False,
-                         usage=f"python {prog} [--config FILE.yaml] [--FIELD VALUE ...]",
-                         description="Every field below is a key of the YAML config and an option here; an option "
-                                     "given here overrides the file.")
-
-    def _add_dataclass_arguments(self, dtype: type) -> None:
-        if not hasattr(self, "_groups"):  # built once, in the order --help lists them
-            self._groups: dict[str, argparse._ArgumentGroup] = {}
-            config = self.add_argument_group("config file")
-            config.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
-                                help="YAML file of field: value (any field below; env: sets environment variables).")
-            for title in help_groups(self._section_types):
-                self._groups[title] = self.add_argument_group(title)
-        hints = typing.get_type_hints(dtype)
-        for f in dataclasses.fields(dtype):
-            if f.init:
-                f.type = hints[f.name]
-                self._parse_dataclass_field(self._groups[help_group(dtype, f.name)], f)
-
-    def error(self, message: str):
-        """argparse would print the whole usage and exit: raise the one line instead."""
-        raise ConfigError(f"{message} (python {self.prog} --help lists every field)")
-
-
-TRAINING_ARGUMENTS_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainingArguments))
-
-
-def help_group(section: type, name: str) -> str:
-    """The --help group of field `name` of dataclass `section`."""
-    if section is HGPOConfig:
-        if name in vars(HGPOConfig)["__annotations__"]:  # declared (or overridden) by HGPOConfig itself
-            return f"HGPOConfig: {help_section(name)}"
-        if name in vars(GRPOConfig).get("__annotations__", {}) or name not in TRAINING_ARGUMENTS_FIELDS:
-            return "TRL GRPOConfig: generation, loss, vLLM"
-        return "Transformers TrainingArguments: optimizer, precision, logging, saving"
-    if section is ModelConfig:
-        return "TRL ModelConfig: model, dtype, LoRA"
-    return f"{section.__name__}: {(section.__doc__ or '').strip().splitlines()[0].rstrip('.')}"
-
-
-def help_groups(sections: tuple[type, ...]) -> list[str]:
-    """Every group of `sections`' fields: ours first (HGPOConfig's in its topics' order), then TRL's and
-    Transformers'."""
-    titles = [help_group(s, f.name) for s in sections for f in dataclasses.fields(s) if f.init]
-    ours = [f"HGPOConfig: {topic}" for topic in HELP_SECTIONS.values()]
-    titles = sorted(dict.fromkeys(titles), key=lambda t: (
-        t.startswith("Transformers"), t.startswith("TRL GRPOConfig"),
-        t.startswith("TRL ModelConfig"), ours.index(t) if t in ours else -1))
-    return titles
 
 
 def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, ModelConfig]:
@@ -172,7 +140,9 @@ def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, Mode
 def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -> tuple:
     """The `extra` dataclasses (a command's own options), then `EnvArguments`, `HGPOConfig` and `ModelConfig`,
     from a YAML config (`--config`) and command-line overrides, checked as `parse` documents."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from hgpo_trl.config import HGPOConfig
+
+    argv = with_full_help(list(sys.argv[1:] if argv is None else argv))
     sections = (*extra, EnvArguments, HGPOConfig, ModelConfig)
     config: dict[str, Any] = {}
     if "--config" in argv:
@@ -182,7 +152,7 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
     # Before parsing: HGPOConfig checks `estimator` against the registered estimators as it is built.
     import_env_modules(requested_env_modules(argv, config))
     # No abbreviations: a misspelt option fails as a misspelt YAML key does, rather than setting a neighbour.
-    parser = _Parser(sections, prog)
+    parser = SectionParser(sections, prog)
     options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
     check_known([a.split("=")[0] for a in argv if a.startswith("--")], options, "the command line", prog)
     try:
@@ -232,6 +202,8 @@ def user_keys(argv: list[str], config: dict[str, Any]) -> list[str]:
 def warn_unread_options(estimator: str, keys: list[str], argv: list[str]) -> None:
     """A warning for each advantage option the user set that the chosen estimator does not read (e.g. omega
     with hgpo): it would otherwise be silently ignored."""
+    from hgpo_trl.config import estimator_fields, unread_estimator_fields, user_warning
+
     unread = unread_estimator_fields(estimator, dict.fromkeys(keys))
     if unread:
         where = f"in {argv[argv.index('--config') + 1]} or on the command line" if "--config" in argv else "on the command line"
@@ -317,7 +289,7 @@ def check_known(names: list[str], known: set[str], where: str, prog: str) -> Non
 def _closest(name: str, known: set[str]) -> list[str]:
     """The known name closest to `name`; an estimator option's own name (`depth`, `norm`, `lam`, as
     `compute_advantages` takes them) maps to the config field that sets it (`hierarchy_depth`, ...)."""
-    from hgpo_trl.config import ESTIMATOR_FIELDS
+    from hgpo_trl.fields import ESTIMATOR_FIELDS
 
     dashes = name[:len(name) - len(name.lstrip("-"))]
     fields = {option: field for field, option in ESTIMATOR_FIELDS.items() if option != field}

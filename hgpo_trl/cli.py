@@ -18,9 +18,18 @@ from typing import Any
 
 from trl import ModelConfig, get_peft_config
 
-from hgpo_trl.arguments import TINY, ConfigError, EnvArguments, entry_point_scope, flag_value, parse
+from hgpo_trl.arguments import (
+    TINY,
+    ConfigError,
+    EnvArguments,
+    RehearsalArguments,
+    entry_point_scope,
+    flag_value,
+    parse,
+)
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.parser import answered_help
 from hgpo_trl.reporting import (
     EvaluationBeforeTraining,
     plot_learning,
@@ -144,6 +153,8 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if answered_help(argv, (RehearsalArguments, EnvArguments), "train.py"):
+        return
     if wants_rehearsal(argv):
         rehearse_main(argv)
     with entry_point_scope():

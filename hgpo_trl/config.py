@@ -10,7 +10,7 @@ import math
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -23,6 +23,7 @@ from hgpo_trl.advantages.groups import DDOFS, NORMS
 from hgpo_trl.advantages.grpo import EPISODE_STATS
 from hgpo_trl.advantages.hgpo import WEIGHTINGS
 from hgpo_trl.envs.registry import invalid_tail_chars, prompt_has_format
+from hgpo_trl.fields import ESTIMATOR_FIELDS, HGPOFields
 from hgpo_trl.rollout import INVALID_ACTIONS, RolloutSettings
 from hgpo_trl.step_batches import FILLS, STEP_BATCHINGS
 
@@ -34,7 +35,7 @@ def cpu_precision_default(use_cpu: bool) -> bool | None:
 
 
 @dataclass
-class HGPOConfig(GRPOConfig):
+class HGPOConfig(HGPOFields, GRPOConfig):
     """Configuration of `HGPOTrainer`.
 
     Inherited fields keep their TRL meaning, with these readings:
@@ -46,161 +47,6 @@ class HGPOConfig(GRPOConfig):
     - `reward_weights`, `scale_rewards`, `multi_objective_aggregation`: unused (rewards come from the environment,
       advantages from `estimator`).
     """
-
-    # Environment
-    env_name: str = field(default="keydoor", metadata={"help": "Registered environment name (hgpo_trl.envs.make_env)."})
-    env_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "Keyword arguments of the environment factory, e.g. {key_reward: 3.0}; on "
-                                        "the command line (YAML or JSON) it replaces the YAML's mapping as a whole."})
-    tasks_per_device: int = field(
-        default=2, metadata={"help": "Distinct tasks each process plays per iteration, each num_generations times."})
-    max_env_steps: int = field(default=50, metadata={"help": "Step limit of an episode (ALFWorld 50, WebShop 30)."})
-    env_workers: int | None = field(
-        default=None, metadata={"help": "Worker processes stepping this process's environments; 0 steps them "
-                                        "in-process (no timeout can hold there); None: in-process for fast envs, "
-                                        "else one per core of this process's share of its node."})
-    env_step_timeout: float | None = field(
-        default=None, metadata={"help": "Seconds a worker may take for one step call before its episodes fail."})
-    env_reset_timeout: float | None = field(
-        default=None, metadata={"help": "Seconds a worker may take for one reset call (and to start)."})
-    max_faulty_iterations: int = field(
-        default=3, metadata={"help": "Stop (after saving a checkpoint) when this many iterations in a row have more "
-                                     "than half their episodes failed by environment faults; 0: never stop."})
-    train_iterations: int | None = field(
-        default=None, metadata={"help": "Rollout iterations to train for; sets max_steps (optimizer steps) from it "
-                                        "(under all_steps, an upper bound: iterations stop the run)."})
-
-    # Step samples and optimizer steps
-    step_batching: str = field(
-        default="fixed_budget", metadata={
-            "help": "'fixed_budget': per_device_train_batch_size x steps_per_generation step samples per process "
-                    "and iteration (drawn from the steps, or padded), one pass of TRL's buffer; 'all_steps' (as "
-                    "released): every collected step is trained once per iteration, in mini-batches of "
-                    "mini_batch_size with one optimizer step each, as many as the steps fill."})
-    mini_batch_size: int | None = field(
-        default=None, metadata={"help": "all_steps: step samples per optimizer step over all processes (released "
-                                        "ppo_mini_batch_size); sets gradient_accumulation_steps to mini_batch_size "
-                                        "/ (per_device_train_batch_size x processes). None: per_device_train_"
-                                        "batch_size x gradient_accumulation_steps x processes."})
-    fill_last_micro_batch: str = field(
-        default="pad", metadata={"help": "all_steps: 'pad' leaves each process's last micro-batch short (every step "
-                                         "trained exactly once); 'duplicate' fills it with copies of random steps of "
-                                         "the iteration, as released (adjust_batch, mode 'copy')."})
-    balance_steps: bool = field(
-        default=False, metadata={"help": "all_steps: after the advantages, share the iteration's step rows out so "
-                                         "that every process trains the same number, token counts balanced, and "
-                                         "every optimizer step exactly mini_batch_size rows, as released "
-                                         "(balance_batch); False: each process trains the steps it played."})
-    fill_multiple: int | None = field(
-        default=None, metadata={"help": "all_steps with balance_steps and fill_last_micro_batch 'duplicate': fill "
-                                        "the iteration's rows over all processes to a multiple of this many "
-                                        "(released adjust_batch: the lcm of the log-prob and actor micro-batches "
-                                        "x GPUs). None: per_device_train_batch_size x processes."})
-    shuffle_steps: bool = field(
-        default=False, metadata={"help": "all_steps: train an iteration's steps in a random order instead of "
-                                         "rollout order (released: rollout order)."})
-    eval_every_iterations: int | None = field(
-        default=None, metadata={"help": "Evaluate after every this many iterations (needs eval_dataset); replaces "
-                                        "eval_strategy / eval_steps, which count optimizer steps."})
-    save_every_iterations: int | None = field(
-        default=None, metadata={"help": "Save a checkpoint after every this many iterations (and at the end); "
-                                        "replaces save_strategy / save_steps, which count optimizer steps."})
-
-    # Prompting and actions
-    history_length: int = field(
-        default=2, metadata={"help": "H: earlier (observation, action) pairs shown in each step's prompt."})
-    action_mode: str = field(
-        default="tags", metadata={"help": "'tags': answer inside <action></action> after <think></think> "
-                                          "(as released); 'plain': the whole completion is the action."})
-    require_think: bool = field(default=True, metadata={"help": "tags mode: require a <think></think> block."})
-    reject_cjk: bool = field(default=True, metadata={"help": "Treat outputs with CJK characters as invalid."})
-    invalid_action: str = field(
-        default="noop", metadata={"help": "What an invalid output does: 'noop' (the env does nothing, the episode "
-                                          "goes on), 'end_episode' (the episode ends as failed) or 'execute' (as "
-                                          "released, verl-agent's projection: tags are found anywhere, a penalised "
-                                          "output's action is still sent, an output with no action block sends "
-                                          "its last characters; tags mode only)."})
-    invalid_penalty: float = field(default=0.1, metadata={"help": "Return penalty of each invalid step."})
-    admissible_only: bool = field(
-        default=False, metadata={"help": "Count an action outside the environment's admissible list as invalid "
-                                         "(helps tiny models; the papers send such actions to the env)."})
-    format_instruction: str | None = field(
-        default=None, metadata={"help": "Answer-format instruction appended to prompts (None: the mode's default, "
-                                        "or none when the environment's template has its own)."})
-    max_prompt_tokens: int | None = field(
-        default=None, metadata={"help": "Token budget of a step's prompt: a longer prompt drops its oldest history "
-                                        "pairs, then shortens the observation in the middle (metrics prompt/*); "
-                                        "the task, admissible actions and format instruction are never cut. "
-                                        "None: the model's context length minus max_completion_length."})
-
-    # Advantages
-    estimator: str = field(default="hgpo", metadata={"help": "Advantage estimator: grpo, gigpo, hgpo, progpo or "
-                                                             "a name added with register_estimator."})
-    gamma: float = field(default=0.95, metadata={"help": "Discount of the step returns."})
-    hierarchy_depth: int | None = field(
-        default=None, metadata={"help": "K: deepest HGPO level (and ProGPO depth); None means history_length."})
-    alpha: float = field(default=1.0, metadata={"help": "HGPO level weights (k+2)^alpha."})
-    weighting: str = field(default="power", metadata={"help": "HGPO weighting: 'power' or 'inverse_mse'."})
-    base_group: bool = field(default=False, metadata={"help": "HGPO: add the episode (GRPO) advantage as an item."})
-    drop_zero_items: bool = field(
-        default=False, metadata={"help": "HGPO: drop every item equal to 0 (all-equal groups, members at their "
-                                         "group's mean), as released; default: keep them."})
-    omega: float = field(default=1.0, metadata={"help": "GiGPO weight of the step (anchor-state) term."})
-    episode_stats: str = field(
-        default="trajectories", metadata={"help": "Episode term of GRPO/GiGPO and HGPO's base item: one score per "
-                                                  "'trajectories', or per step row over all rows of the task group "
-                                                  "('steps', as released)."})
-    std_ddof: int = field(
-        default=0, metadata={"help": "ddof of mean_std_norm's std in the terms the release computes with torch.std "
-                                     "(GRPO's, both GiGPO terms, HGPO's base item): 0 (population) or 1 (released). "
-                                     "HGPO's levels always use 0, as released."})
-    advantage_norm: str = field(
-        default="mean_std_norm", metadata={"help": "Within-group normalisation: 'mean_std_norm' or 'mean_norm'."})
-    progpo_lambda: float = field(default=1.0, metadata={"help": "ProGPO weight of the transition credit."})
-
-    # Diagnostics
-    diagnostics_every: int = field(
-        default=0, metadata={"help": "Every this many iterations, log each estimator's bias and spread against "
-                                     "whole-history oracle groups (diag/*; hgpo_trl.diagnostics); 0: never."})
-
-    trajectory_dump_every: int = field(
-        default=0, metadata={"help": "Every this many iterations, and at every evaluation, write each step (task, "
-                                     "prompt, output, action, reward, return, advantage, HGPO peer levels) to "
-                                     "output_dir/trajectories/*.jsonl (python -m hgpo_trl.trajectories reads "
-                                     "them); 0: never."})
-
-    # Evaluation
-    eval_temperature: float = field(
-        default=0.4, metadata={"help": "Sampling temperature of evaluate(); 0 means greedy."})
-    eval_max_tasks: int | None = field(
-        default=None, metadata={"help": "Evaluate on at most this many tasks of eval_dataset."})
-    early_stop_success: float | None = field(
-        default=None, metadata={"help": "Stop the run once validation success has been at or above this value for "
-                                        "early_stop_patience evaluations in a row (the summary says so); None: "
-                                        "train all train_iterations. Needs evaluations during training."})
-    early_stop_patience: int = field(
-        default=2, metadata={"help": "Consecutive evaluations at or above early_stop_success that stop the run."})
-
-    logging_steps: float = field(
-        default=1, metadata={"help": "Log every this many optimizer steps (TRL's default is 10): with 1, every "
-                                     "iteration logs its metrics and prints its [iter] line."})
-    console_metrics: bool = field(
-        default=False, metadata={"help": "Also print every log's full metrics dict to the console, as TRL does "
-                                         "(default: one [iter] line per iteration and one [eval] line per "
-                                         "evaluation; the full dicts always go to report_to and "
-                                         "trainer_state.json)."})
-
-    accelerate_config: str | None = field(
-        default=None, metadata={"help": "The accelerate config file this run is launched with (accelerate launch "
-                                        "--config_file FILE): what --rehearse rehearses (its processes, machines, "
-                                        "ZeRO stage, offloads). The paper configs name theirs; training itself "
-                                        "follows the launcher."})
-
-    # Reporting: TensorBoard by default (a dependency), unlike TrainingArguments' "none". The annotation is
-    # TrainingArguments' own: HfArgumentParser reads a `None | str | list[str]` union only in this order.
-    report_to: None | str | list[str] = field(  # noqa: RUF036
-        default="tensorboard", metadata={"help": "Where metrics go: 'tensorboard' (default; logs under "
-                                                 "output_dir/runs), 'wandb', 'trackio', a list of them, or 'none'."})
 
     _VALID_DICT_FIELDS: ClassVar[list[str]] = [*GRPOConfig._VALID_DICT_FIELDS, "env_kwargs"]
 
@@ -479,30 +325,6 @@ class HGPOConfig(GRPOConfig):
         return {k: v for k, v in candidates.items() if k in estimator_options(self.estimator)}
 
 
-HELP_SECTIONS = {"env_name": "environment", "train_iterations": "iterations, step batches, cadence",
-                 "history_length": "prompts and actions", "estimator": "advantages",
-                 "diagnostics_every": "diagnostics and trajectory dumps", "eval_temperature": "evaluation",
-                 "logging_steps": "console and reporting"}
-"""The first field of each topic of HGPOConfig's own fields (in declaration order), for `--help`."""
-
-
-def help_section(name: str) -> str:
-    """The topic of HGPOConfig's own field `name`: that of the nearest section start declared before it."""
-    section = "environment"
-    for declared in vars(HGPOConfig)["__annotations__"]:
-        section = HELP_SECTIONS.get(declared, section)
-        if declared == name:
-            return section
-    raise KeyError(f"{name} is not a field declared by HGPOConfig")
-
-
-ESTIMATOR_FIELDS = {
-    "gamma": "gamma", "hierarchy_depth": "depth", "alpha": "alpha", "advantage_norm": "norm",
-    "weighting": "weighting", "base_group": "base_group", "drop_zero_items": "drop_zero_items", "omega": "omega",
-    "episode_stats": "episode_stats", "std_ddof": "std_ddof", "invalid_penalty": "invalid_penalty",
-    "progpo_lambda": "lam",
-}
-"""HGPOConfig's advantage fields and the estimator option each becomes."""
 
 
 def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_config: dict[str, Any] | None) -> None:

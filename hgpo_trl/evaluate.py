@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from hgpo_trl.arguments import (
     TINY,
     ConfigError,
     EnvArguments,
+    EvalArguments,
     check_model_path,
     entry_point_scope,
     parse_sections,
@@ -48,7 +49,6 @@ from hgpo_trl.envs.pool import default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.evaluation import (
     DEFAULT_SPLITS,
-    PAPER_SEEDS,
     percent,
     play_split,
     seed_outcome,
@@ -56,41 +56,10 @@ from hgpo_trl.evaluation import (
     summarize,
     write_report,
 )
+from hgpo_trl.parser import answered_help
 from hgpo_trl.players import expert_player, model_policy, random_player
 
 POLICIES = ("model", "random", "expert")
-
-
-@dataclass
-class EvalArguments:
-    """What to evaluate and where the results go; everything else comes from the training config."""
-
-    policy: list[str] = field(
-        default_factory=lambda: ["model"],
-        metadata={"help": "Players, one row each: 'model' (model_name_or_path), 'random' (uniform over the "
-                          "admissible actions), 'expert' (the environment's scripted expert: ALFWorld's handcoded "
-                          "one). 'random' and 'expert' load no model."})
-    seeds: list[int] = field(
-        default_factory=lambda: list(PAPER_SEEDS),
-        metadata={"help": "Evaluation seeds (sampling, the random player, the expert's tie-breaks); mean and std "
-                          "are taken over them."})
-    greedy: bool = field(default=False, metadata={"help": "Greedy decoding (instead of eval_temperature)."})
-    splits: list[str] | None = field(
-        default=None, metadata={"help": "Task splits to evaluate (default: alfworld valid_seen valid_unseen, webshop "
-                                        "test, keydoor valid, other environments eval_split)."})
-    num_envs: int | None = field(
-        default=None, metadata={"help": "Environments played at once (default: tasks_per_device x num_generations, "
-                                        "as a training rollout)."})
-    episodes_per_seed: int | None = field(
-        default=None, metadata={"help": "Play this many episodes per split and seed, cycling through all of the "
-                                        "split's tasks (num_eval_tasks is then not read); the released evaluation "
-                                        "plays 512 (4 x 128). None: every task once."})
-    eval_output_dir: str | None = field(
-        default=None, metadata={"help": "Folder of evaluation.json and evaluation.md; default: 'evaluation' beside "
-                                        "the evaluated model (inside its folder), or the config's "
-                                        "output_dir/evaluation for a hub id, 'tiny' or reference players only. A "
-                                        "folder that already holds a result is never overwritten: the next free "
-                                        "evaluation-N is used, and said."})
 
 
 @dataclass
@@ -232,6 +201,9 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if answered_help(argv, (EvalArguments, EnvArguments), "evaluate.py"):
+        return
     with entry_point_scope():
         try:
             evaluation = prepare(argv)

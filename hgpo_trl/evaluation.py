@@ -21,7 +21,6 @@ from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.rollout import Episode, Policy, Rollout, RolloutSettings, ScriptedPolicy, run_rollout
 from hgpo_trl.trajectories import TASK_TYPE_FIELDS, rollout_records, write_records
 
-PAPER_SEEDS = (123, 456, 789)  # the released validation seeds
 DEFAULT_SPLITS = {"alfworld": ("valid_seen", "valid_unseen"), "webshop": ("test",), "keydoor": ("valid",)}
 SPLIT_LABELS = {("alfworld", "valid_seen"): "in-distribution", ("alfworld", "valid_unseen"): "out-of-distribution"}
 

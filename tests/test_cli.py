@@ -2,6 +2,7 @@
 
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -310,36 +311,67 @@ def test_a_config_warning_names_the_users_line_not_a_generated_init(tmp_path):
     assert caught[0].filename == __file__
 
 
-def test_help_lists_config_and_groups_the_fields_ours_first(capsys):
-    from hgpo_trl.cli import main
+OUR_SECTIONS = ["options", "config file",
+                "RehearsalArguments: Rehearse this config on CPUs before renting GPUs (docs/rehearsal.md)",
+                "EnvArguments: Tasks, the offline tiny model and the supervised warm start",
+                "HGPOConfig: environment", "HGPOConfig: iterations, step batches, cadence",
+                "HGPOConfig: prompts and actions", "HGPOConfig: advantages",
+                "HGPOConfig: diagnostics and trajectory dumps", "HGPOConfig: evaluation",
+                "HGPOConfig: console and reporting", "TRL ModelConfig: model, dtype, LoRA"]
 
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
-    text = capsys.readouterr().out
-    assert text.startswith("usage: python train.py [--config FILE.yaml] [--FIELD VALUE ...]")
+
+def sections_of(text):
     titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
-    assert titles == ["options", "config file",
-                      "RehearsalArguments: Rehearse this config on CPUs before renting GPUs (docs/rehearsal.md)",
-                      "EnvArguments: Tasks, the offline tiny model and the supervised warm start",
-                      "HGPOConfig: environment", "HGPOConfig: iterations, step batches, cadence",
-                      "HGPOConfig: prompts and actions", "HGPOConfig: advantages",
-                      "HGPOConfig: diagnostics and trajectory dumps", "HGPOConfig: evaluation",
-                      "HGPOConfig: console and reporting", "TRL ModelConfig: model, dtype, LoRA",
-                      "TRL GRPOConfig: generation, loss, vLLM",
-                      "Transformers TrainingArguments: optimizer, precision, logging, saving"]
 
     def group_of(option):
         before = text[:text.index(f"\n  {option} ") + 1]
         return next(t for t in reversed(titles) if f"\n{t}:\n" in before)
+    return titles, group_of
+
+
+def test_help_lists_our_sections_and_names_help_all_for_the_rest(capsys):
+    from hgpo_trl.cli import main
+
+    main(["--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: python train.py [--config FILE.yaml] [--FIELD VALUE ...]")
+    titles, group_of = sections_of(text)
+    assert titles == OUR_SECTIONS
     assert group_of("--config") == "config file"
     assert group_of("--estimator") == group_of("--omega") == "HGPOConfig: advantages"
     assert group_of("--history_length") == "HGPOConfig: prompts and actions"
     assert group_of("--report_to") == group_of("--console_metrics") == group_of("--logging_steps") == \
         "HGPOConfig: console and reporting"
-    assert group_of("--num_generations") == "TRL GRPOConfig: generation, loss, vLLM"
     assert group_of("--model_name_or_path") == "TRL ModelConfig: model, dtype, LoRA"
+    assert "--num_generations" not in text and "--seed " not in text
+    assert text.rstrip().endswith("python train.py --help-all lists every field.")
+
+
+def test_help_all_lists_every_field_ours_first(capsys):
+    from hgpo_trl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help-all"])
+    assert exit_info.value.code == 0
+    titles, group_of = sections_of(capsys.readouterr().out)
+    assert titles == [*OUR_SECTIONS, "TRL GRPOConfig: generation, loss, vLLM",
+                      "Transformers TrainingArguments: optimizer, precision, logging, saving"]
+    assert group_of("--num_generations") == "TRL GRPOConfig: generation, loss, vLLM"
+    assert group_of("--report_to") == "HGPOConfig: console and reporting"  # our default, our section
     assert group_of("--seed") == "Transformers TrainingArguments: optimizer, precision, logging, saving"
+
+
+@pytest.mark.parametrize("script", ["train.py", "evaluate.py"])
+def test_the_short_help_imports_neither_torch_nor_trls_trainer(script):
+    """What makes --help answer in about a second (benchmarks/help.py times it)."""
+    code = (f"import runpy, sys; sys.argv = ['{script}', '--help']; runpy.run_path('{script}', run_name='__main__'); "
+            "heavy = sorted(m for m in ('torch', 'transformers.training_args', 'trl.trainer.grpo_config', "
+            "'hgpo_trl.config') if m in sys.modules); print('HEAVY', heavy)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().endswith("HEAVY []"), done.stdout[-300:]
+    own = "EvalArguments: What to evaluate" if script == "evaluate.py" else "RehearsalArguments: Rehearse"
+    assert own in done.stdout and f"python {script} --help-all lists every field." in done.stdout
 
 
 @pytest.mark.slow
