@@ -61,17 +61,9 @@ class HGPOConfig(HGPOFields, GRPOConfig):
             self._set_all_steps_accumulation(processes)
         elif self.mini_batch_size is not None:
             raise ValueError("HGPOConfig.mini_batch_size is read only under step_batching='all_steps'")
+        self._check_generation_batch(processes)
         self._check_eval_batch(processes)
-        try:
-            super().__post_init__()
-        except ValueError as err:
-            if "divisible by num_generations" not in str(err):
-                raise
-            # TRL's check names its derived generation_batch_size: say which of our fields to change.
-            raise ValueError(
-                f"{err} (TRL's check: per_device_train_batch_size x processes x steps_per_generation step samples "
-                f"per iteration must be a multiple of num_generations ({self.num_generations}); set "
-                "per_device_train_batch_size or steps_per_generation accordingly)") from None
+        super().__post_init__()
         if (self.early_stop_success is not None and self.eval_every_iterations is None
                 and str(getattr(self.eval_strategy, "value", self.eval_strategy)) == "no"):
             raise ValueError("HGPOConfig.early_stop_success stops on validation success, and this run never "
@@ -162,6 +154,30 @@ class HGPOConfig(HGPOFields, GRPOConfig):
         if self.steps_per_generation is None and self.generation_batch_size is None:
             self.steps_per_generation = self.gradient_accumulation_steps * self.num_generations
 
+    def _check_generation_batch(self, processes: int) -> None:
+        """TRL's checks of its generation batch (the step samples of an iteration over all processes), made here
+        first and naming the fields to change: TRL's messages name its derived generation_batch_size."""
+        if self.generation_batch_size is not None and self.steps_per_generation is not None:
+            raise ValueError("HGPOConfig: set steps_per_generation or generation_batch_size, not both (each gives "
+                             "the other: generation_batch_size = per_device_train_batch_size x processes x "
+                             "steps_per_generation)")
+        global_batch = self.per_device_train_batch_size * processes
+        if self.generation_batch_size is not None and self.generation_batch_size % global_batch:
+            raise ValueError(f"HGPOConfig.generation_batch_size ({self.generation_batch_size}) must be a multiple of "
+                             f"per_device_train_batch_size ({self.per_device_train_batch_size}) x processes "
+                             f"({processes}) = {global_batch}; or set steps_per_generation instead")
+        steps = (f"steps_per_generation ({self.steps_per_generation})" if self.steps_per_generation is not None
+                 else f"steps_per_generation (unset: gradient_accumulation_steps, {self.gradient_accumulation_steps})")
+        batch = self.generation_batch_size or global_batch * (self.steps_per_generation or
+                                                             self.gradient_accumulation_steps)
+        if batch % self.num_generations:
+            raise ValueError(
+                f"HGPOConfig.num_generations ({self.num_generations}) must divide the step samples of an iteration, "
+                f"per_device_train_batch_size ({self.per_device_train_batch_size}) x processes ({processes}) x "
+                f"{steps} = {batch} (TRL's generation batch holds whole task groups): set "
+                f"per_device_train_batch_size or steps_per_generation so that it is a multiple of "
+                f"{self.num_generations}")
+
     def _check_eval_batch(self, processes: int) -> None:
         """TRL requires, where a run evaluates on its steps, an evaluation batch over all processes that
         num_generations divides (hgpo-trl's evaluation plays each task once and never uses that batch): checked
@@ -216,6 +232,11 @@ class HGPOConfig(HGPOFields, GRPOConfig):
              "None or an integer >= 1"),
             ("num_generations", self.num_generations is not None and self.num_generations >= 2,
              "an integer >= 2 (rollouts per task)"),
+            ("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size >= 1 and (
+                not self.use_vllm or self.vllm_mode != "colocate"
+                or int(os.environ.get("WORLD_SIZE", "1")) % self.vllm_tensor_parallel_size == 0),
+             f"a divisor of the processes ({os.environ.get('WORLD_SIZE', '1')}) under vllm_mode 'colocate' (each "
+             "process group of that size shares one vLLM engine)"),
             ("step_batching", self.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
             ("fill_last_micro_batch", self.fill_last_micro_batch in FILLS, f"one of {FILLS}"),
             ("balance_steps", not self.balance_steps or self.step_batching == "all_steps",

@@ -31,6 +31,13 @@ def with_a_gpu_without(*names):
     return setup
 
 
+def world_size(processes):
+    """What the launcher says (WORLD_SIZE); the config's checks come before any process group."""
+    def setup(monkeypatch, tmp_path):
+        monkeypatch.setenv("WORLD_SIZE", str(processes))
+    return setup
+
+
 def deepspeed_file(monkeypatch, tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     no_package("deepspeed")(monkeypatch, tmp_path)
@@ -97,17 +104,23 @@ ROWS = [
      r"registered: \['alfworld', 'gymnasium', 'keydoor', 'textarena', 'webshop'\]"),
     # Batch sizes (TRL: the generation batch must hold whole groups of num_generations)
     ("batch-vs-generations", "num_generations: 3\nper_device_train_batch_size: 16\n", [], None,
-     r"generation_batch_size \(16\) must be divisible by num_generations \(3\)",
-     r"set per_device_train_batch_size or steps_per_generation"),
+     r"HGPOConfig\.num_generations \(3\) must divide the step samples of an iteration, per_device_train_batch_size "
+     r"\(16\) x processes \(1\) x steps_per_generation \(unset: gradient_accumulation_steps, 1\) = 16",
+     r"set per_device_train_batch_size or steps_per_generation so that it is a multiple of 3$"),
     ("steps-per-generation-vs-generations", "num_generations: 4\nper_device_train_batch_size: 2\n"
-     "steps_per_generation: 3\n", [], None, r"generation_batch_size \(6\)", r"multiple of num_generations \(4\)"),
+     "steps_per_generation: 3\n", [], None, r"HGPOConfig\.num_generations \(4\) must divide",
+     r"x steps_per_generation \(3\) = 6 \(TRL's generation batch holds whole task groups\)"),
     ("eval-batch-vs-generations", "num_generations: 3\nper_device_train_batch_size: 3\neval_strategy: steps\n"
      "eval_steps: 5\n", [], None, r"HGPOConfig\.num_generations \(3\) must divide per_device_eval_batch_size \(8\)",
      r"set per_device_eval_batch_size to a multiple of 3"),
     ("generation-batch-and-steps", "generation_batch_size: 16\nsteps_per_generation: 2\n", [], None,
-     r"'generation_batch_size' and 'steps_per_generation'", r"can not be both configured"),
+     r"HGPOConfig: set steps_per_generation or generation_batch_size, not both", r"x steps_per_generation\)$"),
     ("generation-batch-vs-batch", "generation_batch_size: 12\nper_device_train_batch_size: 8\n", [], None,
-     r"generation_batch_size \(12\)", r"divisible by the global batch size \(8\)"),
+     r"HGPOConfig\.generation_batch_size \(12\) must be a multiple of per_device_train_batch_size \(8\) x "
+     r"processes \(1\) = 8", r"or set steps_per_generation instead$"),
+    ("vllm-tensor-parallel", "use_vllm: true\nvllm_mode: colocate\nvllm_tensor_parallel_size: 2\n", [], world_size(3),
+     r"HGPOConfig\.vllm_tensor_parallel_size must be a divisor of the processes \(3\) under vllm_mode 'colocate'",
+     r"got 2$"),
     ("iterations-vs-accumulation", "train_iterations: 2\nper_device_train_batch_size: 8\nsteps_per_generation: 3\n"
      "gradient_accumulation_steps: 2\n", [], None, r"train_iterations", r"multiple of gradient_accumulation_steps"),
     # Files

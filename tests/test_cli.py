@@ -54,7 +54,7 @@ BAD = [
     ("env_name: minecraft\n", "HGPOConfig.env_name: unknown environment 'minecraft'"),
     ("history_length: -2\n", "HGPOConfig.history_length must be an integer >= 0"),
     ("task_kwargs: '{broken'\n", "EnvArguments.task_kwargs must be a mapping"),
-    ("num_generations: 3\nper_device_train_batch_size: 16\n", r"generation_batch_size \(16\) must be divisible by"),
+    ("num_generations: 3\nper_device_train_batch_size: 16\n", r"HGPOConfig\.num_generations \(3\) must divide the step"),
     ("early_stop_success: 1.5\neval_every_iterations: 1\n", r"HGPOConfig.early_stop_success must be None or in \(0, 1\]"),
     ("early_stop_success: 0.9\n", "early_stop_success stops on validation success, and this run never evaluates"),
 ]
