@@ -348,6 +348,17 @@ class HGPOConfig(HGPOFields, GRPOConfig):
 
 
 
+def check_trainer_arguments(args: Any, train_dataset: Any) -> None:
+    """What `HGPOTrainer` takes: an HGPOConfig and a Dataset of task rows."""
+    from datasets import Dataset
+
+    if not isinstance(args, HGPOConfig):
+        raise ValueError(f"HGPOTrainer needs an HGPOConfig, got {type(args).__name__}")
+    if not isinstance(train_dataset, Dataset):
+        raise ValueError("train_dataset must be a datasets.Dataset with one row per task "
+                         f"(e.g. hgpo_trl.envs.make_tasks(...)), got {type(train_dataset).__name__}")
+
+
 def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_config: dict[str, Any] | None) -> None:
     """What `args` alone cannot check: the settings that need validation tasks, and the launch's DeepSpeed config
     (None without DeepSpeed) against all_steps' schedule."""

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from hgpo_trl.collective import elementwise_process_sum
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
+from hgpo_trl.progress import progress_bar
 from hgpo_trl.rollout import Episode, Policy, Rollout, RolloutSettings, ScriptedPolicy, run_rollout
 from hgpo_trl.trajectories import TASK_TYPE_FIELDS, rollout_records, write_records
 
@@ -93,20 +93,31 @@ def play_split(envs, tasks: Sequence[Mapping[str, Any]], player: Policy | Script
          scripted: bool, count_tokens: Callable[[str], int] | None, description: str, quiet: bool,
          dump: Path | None, args: HGPOConfig) -> list[Episode]:
     """hgpo-eval's play of one split: every task once, len(envs) at a time; the episodes in task order. A progress
-    bar counts the games done and the success so far; `dump` receives the trajectories (hgpo_trl.trajectories
-    reads them)."""
-    with tqdm(total=len(tasks), desc=description, unit="game", disable=quiet, dynamic_ncols=True) as bar:
-        ended = wins = 0  # (a disabled bar counts nothing)
+    bar counts the turns played: a chunk's games play in lock-step and tend to end together, so a count of games
+    would stand still and then jump, and its rate and ETA would mean nothing. Its total is `max_steps` a chunk,
+    lowered by the turns a chunk did not need when it ends; the games done and the success so far follow it.
+    `dump` receives the trajectories (hgpo_trl.trajectories reads them)."""
+    chunks = math.ceil(len(tasks) / len(envs))
+    with progress_bar(total=chunks * settings.max_steps, desc=description, unit="turn", disabled=quiet,
+                      dynamic_ncols=True) as bar:
+        played = ended = wins = 0  # turns of the chunks played; games ended and won
+
+        def on_turn(turn: int, live: int) -> None:  # (called as turn `turn` of the chunk starts)
+            bar.update(played + turn - bar.n)
 
         def on_episode_end(episode: Episode) -> None:
             nonlocal ended, wins
             ended, wins = ended + 1, wins + episode.won
-            bar.update(1)
-            bar.set_postfix(success=f"{wins / ended:.3f}")
+            bar.set_postfix(games=f"{ended}/{len(tasks)}", success=f"{wins / ended:.3f}", refresh=False)
 
         def play_chunk(chunk: list[Mapping[str, Any]], index: int, chunks: int) -> Rollout:
-            return run_rollout(envs, chunk, 1, player, settings, on_episode_end=on_episode_end,
-                               count_tokens=count_tokens, scripted=scripted)
+            nonlocal played
+            rollout = run_rollout(envs, chunk, 1, player, settings, on_turn=on_turn, on_episode_end=on_episode_end,
+                                  count_tokens=count_tokens, scripted=scripted)
+            played += rollout.turns
+            bar.total -= settings.max_steps - rollout.turns
+            bar.update(played - bar.n)
+            return rollout
 
         episodes, records = play_in_chunks(tasks, len(envs), play_chunk, record_args=args if dump else None)
     if dump is not None:

@@ -11,12 +11,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import GenerationConfig
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from hgpo_trl.collective import any_process, process_values
+from hgpo_trl.progress import progress_bar
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
 
 # generate(prompt_ids) -> (completion_ids, sampling log-probabilities per token, or None when the backend has none)
@@ -183,8 +183,8 @@ def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_siz
     of `trainer_generator`'s per turn. With several processes every process joins every call (with dummy prompts when
     it has no live episode, or fewer than a backend that slices by position needs) until no process has a live
     episode."""
-    bar = tqdm(total=trainer.args.max_env_steps, desc=description, unit="turn", leave=False, dynamic_ncols=True,
-               disable=trainer.args.disable_tqdm or not trainer.accelerator.is_main_process)
+    bar = progress_bar(total=trainer.args.max_env_steps, desc=description, unit="turn", leave=False,
+                       dynamic_ncols=True, disabled=trainer.args.disable_tqdm or not trainer.accelerator.is_main_process)
 
     def on_turn(turn: int, live: int) -> None:
         bar.update(turn + 1 - bar.n)

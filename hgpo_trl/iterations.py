@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch.optim.lr_scheduler import LambdaLR
-from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from hgpo_trl.collective import any_process
+from hgpo_trl.progress import progress_bar
 
 if TYPE_CHECKING:
     from hgpo_trl.rollout import Rollout
@@ -133,32 +133,35 @@ class EarlyStop(TrainerCallback):
 
 class IterationProgress(ProgressCallback):
     """The Trainer's progress bar, counted in iterations when the run is (its own counts optimizer steps up to
-    `max_steps`, which under all_steps is only an upper bound), and without the Trainer's printed metrics dicts
-    unless `console_metrics` asks for them (`reporting.IterationLine` prints one line per log instead)."""
+    `max_steps`, which under all_steps is only an upper bound) and made as every bar is (`progress_bar`: none
+    where the console is no terminal), without the Trainer's printed metrics dicts unless `console_metrics` asks
+    for them (`reporting.IterationLine` prints one line per log instead)."""
 
     def __init__(self, trainer: HGPOTrainer):
         super().__init__()
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if args.train_iterations is None:
-            return super().on_train_begin(args, state, control, **kwargs)
-        self.current_step = self.trainer.completed_iterations
+        self.current_step = self._done(args, state)  # a resumed run's
         if state.is_world_process_zero:
-            self.training_bar = tqdm(total=args.train_iterations, initial=self.current_step, unit="iteration",
-                                     dynamic_ncols=True)
+            in_iterations = args.train_iterations is not None
+            self.training_bar = progress_bar(total=args.train_iterations if in_iterations else state.max_steps,
+                                             initial=self.current_step, unit="iteration" if in_iterations else "it",
+                                             dynamic_ncols=True)
 
     def on_step_end(self, args, state, control, **kwargs):
-        if args.train_iterations is None:
-            return super().on_step_end(args, state, control, **kwargs)
-        done = self.trainer.completed_iterations
+        done = self._done(args, state)
         if state.is_world_process_zero and done > self.current_step:
             self.training_bar.update(done - self.current_step)
         self.current_step = done
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if args.console_metrics:
+        if args.console_metrics:  # (printed with tqdm.write, which a bar that is off still does)
             super().on_log(args, state, control, logs=logs, **kwargs)
+
+    def _done(self, args, state) -> int:
+        """What the bar counts: completed iterations, or optimizer steps when the run is not counted in those."""
+        return self.trainer.completed_iterations if args.train_iterations is not None else state.global_step
 
 
 def iteration_schedule(scheduler: LambdaLR, completed_iterations: Callable[[], int]) -> LambdaLR:

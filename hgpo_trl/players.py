@@ -19,6 +19,7 @@ from hgpo_trl.cli import load_tasks
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
 from hgpo_trl.generation import Generate, ModelPolicy, generate_completions, generation_settings
+from hgpo_trl.progress import shows_bars, transformers_bars_off
 from hgpo_trl.rollout import Completion, RolloutSettings, ScriptedPolicy
 
 
@@ -159,7 +160,8 @@ def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArgumen
         if args.use_vllm:
             print("evaluate.py: use_vllm is set, but vLLM runs on a GPU and not the tiny model: generating with "
                   "transformers")
-        model, tokenizer = load_model(model_args, env_args, args)
+        with transformers_bars_off(when=not shows_bars(args.disable_tqdm)):  # ("Loading weights" into a log)
+            model, tokenizer = load_model(model_args, env_args, args)
         model_config = model.config
         generate = hf_generator(model, tokenizer, args, temperature)
         backend = "transformers"

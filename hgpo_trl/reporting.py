@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
+from tqdm import tqdm
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+from hgpo_trl.progress import progress_bar
 
 
 class IterationLine(TrainerCallback):
@@ -54,33 +55,27 @@ class InvalidOutputWarning(TrainerCallback):
 
 
 class BarOnly(ProgressCallback):
-    """The Trainer's progress bar without the metrics dicts it prints (a warm start's run statistics)."""
+    """The Trainer's progress bar, made as every bar is (`progress_bar`), without the metrics dicts it prints (a
+    warm start's run statistics)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.current_step = state.global_step
+        if state.is_world_process_zero:
+            self.training_bar = progress_bar(total=state.max_steps, initial=self.current_step, dynamic_ncols=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         pass
 
 
-@contextmanager
-def transformers_bars_off():
-    """Transformers' own progress bars (save_pretrained's "Writing model shards") off for the block."""
-    from transformers.utils import logging
-
-    active = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if active:
-            logging.enable_progress_bar()
-
-
 def set_up_reporting(trainer) -> None:
     """The console of a run: the progress bar, `IterationLine`'s lines and `InvalidOutputWarning`; TRL's metrics
-    dicts only with `console_metrics` (HF's PrinterCallback prints them when the bars are off, ProgressCallback
-    when on). TensorBoard writes into output_dir: its writer opens at the first log, and evaluate() before
-    train() would otherwise put it in ./runs."""
+    dicts only with `console_metrics` (HF's PrinterCallback prints them under disable_tqdm, `IterationProgress`
+    otherwise, which replaces the Trainer's bar, or its HTML bar in a notebook, to show bars only where
+    `progress.bar_style` says). TensorBoard writes into output_dir: its writer opens at the first log, and
+    evaluate() before train() would otherwise put it in ./runs."""
     from transformers.integrations import TensorBoardCallback
     from transformers.integrations.integration_utils import default_logdir
+    from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
 
     from hgpo_trl.iterations import IterationProgress
 
@@ -91,7 +86,7 @@ def set_up_reporting(trainer) -> None:
     if not args.console_metrics:
         handler.remove_callback(PrinterCallback)
     if not args.disable_tqdm:
-        handler.remove_callback(ProgressCallback)
+        handler.remove_callback(DEFAULT_PROGRESS_CALLBACK)
         handler.add_callback(IterationProgress(trainer))
     if not any(isinstance(callback, IterationLine) for callback in handler.callbacks):
         handler.add_callback(IterationLine())

@@ -35,7 +35,7 @@ from hgpo_trl.checkpoints import (
     without_tied_keys,
 )
 from hgpo_trl.collective import any_process, process_max, process_sum
-from hgpo_trl.config import HGPOConfig, check_trainer_inputs
+from hgpo_trl.config import HGPOConfig, check_trainer_arguments, check_trainer_inputs
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
@@ -52,7 +52,8 @@ from hgpo_trl.loss_inputs import (
 )
 from hgpo_trl.metrics import SampleCounts, TrainedSteps, gathered_metrics, iteration_metrics, log_completions
 from hgpo_trl.model_card import write_model_card
-from hgpo_trl.reporting import set_up_reporting, transformers_bars_off
+from hgpo_trl.progress import shows_bars, transformers_bars_off
+from hgpo_trl.reporting import set_up_reporting
 from hgpo_trl.rollout import Completion, Rollout
 from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.step_batches import plan_micro_batches, sample_tensors, windows_for
@@ -82,18 +83,15 @@ class HGPOTrainer(GRPOTrainer):
     def __init__(self, model, args: HGPOConfig, train_dataset: Dataset, eval_dataset: Dataset | None = None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
                  env_factory: Callable[[], TextEnv] | None = None):
-        if not isinstance(args, HGPOConfig):
-            raise ValueError(f"HGPOTrainer needs an HGPOConfig, got {type(args).__name__}")
-        if not isinstance(train_dataset, Dataset):
-            raise ValueError("train_dataset must be a datasets.Dataset with one row per task "
-                             f"(e.g. hgpo_trl.envs.make_tasks(...)), got {type(train_dataset).__name__}")
+        check_trainer_arguments(args, train_dataset)
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
-        self._saved_start = (args.beta != 0.0 or peft_config is not None) and save_in_memory_weights(
-            model, processing_class, args, peft=peft_config is not None)
-        super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
-                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
-                         optimizers=optimizers, peft_config=peft_config)
+        with transformers_bars_off(when=not shows_bars(args.disable_tqdm)):  # (saving and loading the reference)
+            self._saved_start = (args.beta != 0.0 or peft_config is not None) and save_in_memory_weights(
+                model, processing_class, args, peft=peft_config is not None)
+            super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
+                             eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                             optimizers=optimizers, peft_config=peft_config)
         self.env_factory = env_factory or partial(make_env, args.env_name, **(args.env_kwargs or {}))
         self.rollout_settings = generation_settings(args.rollout_settings(), self._tokenizer, self.model.config,
                                                     args.vllm_max_model_length if args.use_vllm else None,

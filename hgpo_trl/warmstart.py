@@ -21,8 +21,9 @@ from typing import Any
 
 from accelerate.state import AcceleratorState, PartialState
 from datasets import Dataset
-from tqdm.auto import tqdm
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
+from tqdm import tqdm
+from transformers.trainer import DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer_callback import PrinterCallback
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import common_prefix_length
 
@@ -30,6 +31,7 @@ from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.config import cpu_precision_default
 from hgpo_trl.envs.base import TextEnv
 from hgpo_trl.memory import Memory, build_prompt
+from hgpo_trl.progress import progress_bar, shows_bars
 from hgpo_trl.reporting import BarOnly
 
 
@@ -38,13 +40,15 @@ def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int,
                 max_pairs: int | None = None, description: str = "random episodes") -> list[tuple[str, list[str], str]]:
     """(prompt, admissible actions, next observation) for every step of `episodes` episodes that take uniformly
     random admissible actions, with the prompts the rollout would build. The tasks come in a random order
-    (each once before any repeats). `progress`: a bar of the episodes played; `max_pairs`: stop after the
-    episode in which the (prompt, admissible action) pairs reach this many."""
+    (each once before any repeats). `progress`: a bar of the episodes played, where bars show
+    (`hgpo_trl.progress`); `max_pairs`: stop after the episode in which the (prompt, admissible action) pairs
+    reach this many."""
     rng = random.Random(seed)
     order = rng.sample(range(len(tasks)), len(tasks))
     samples: list[tuple[str, list[str], str]] = []
     pairs = 0
-    for episode in tqdm(range(episodes), desc=description, unit="episode", disable=not progress, leave=False):
+    for episode in progress_bar(iterable=range(episodes), desc=description, unit="episode", leave=False,
+                                disabled=not progress):
         if max_pairs is not None and pairs >= max_pairs:
             break
         observation, info = env.reset(tasks[order[episode % len(tasks)]])
@@ -88,8 +92,8 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
                seed: int = 0, report_to: str | list[str] = "none", use_cpu: bool = True, progress: bool = False,
                output_dir: str | None = None, gradient_checkpointing: bool = True) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
-    steps (about one pass over fresh pairs); return its metrics. With `progress`, one bar and one `[warm start]`
-    line. `output_dir`: where the SFT trainer may write (its logs under `report_to`); None: a temporary folder.
+    steps (about one pass over fresh pairs); return its metrics. With `progress`, one `[warm start]` line and,
+    where bars show (`hgpo_trl.progress`), one bar. `output_dir`: where the SFT trainer may write (its logs under `report_to`); None: a temporary folder.
     `gradient_checkpointing`: as the RL run's (recomputing activations costs a tiny model a third of its step).
 
     The completion is the action itself (`plain` mode) or `<think> </think><action>A</action>` (`tags` mode).
@@ -110,19 +114,20 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     env.close()
     answer = (lambda a: a) if action_mode == "plain" else (lambda a: f"<think> </think><action>{a}</action>")
     dataset = sft_dataset(tokenizer, pairs, answer)
+    bars = shows_bars(disabled=not progress)
     with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch, data_parallel_only(use_cpu):
         # One progress bar for the warm start; no per-step log dicts. The dataset comes tokenized (sft_dataset).
         config = SFTConfig(output_dir=output_dir or scratch, max_steps=steps, per_device_train_batch_size=batch_size,
                            learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
                            save_strategy="no", report_to=report_to, use_cpu=use_cpu,
-                           bf16=cpu_precision_default(use_cpu), seed=seed, disable_tqdm=not progress,
+                           bf16=cpu_precision_default(use_cpu), seed=seed, disable_tqdm=not bars,
                            log_level="warning", gradient_checkpointing=gradient_checkpointing,
                            dataset_kwargs={"skip_prepare_dataset": True})
         trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
-        # The bar (with progress), without the Trainer's unlabelled dict of run statistics at the end.
+        # The bar (where bars show), without the Trainer's unlabelled dict of run statistics at the end.
         trainer.callback_handler.remove_callback(PrinterCallback)
-        if progress:
-            trainer.callback_handler.remove_callback(ProgressCallback)
+        if bars:
+            trainer.callback_handler.remove_callback(DEFAULT_PROGRESS_CALLBACK)  # (an HTML bar in a notebook)
             trainer.add_callback(BarOnly())
         result = trainer.train()
     metrics = {"warmstart_loss": float(result.training_loss), "warmstart_examples": len(dataset)}

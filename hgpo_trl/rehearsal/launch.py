@@ -119,8 +119,8 @@ def prepare_folder(folder: Path) -> None:
 def build_model(shape, tokenizer, folder: Path) -> Path:
     """The rehearsal's model: a tiny twin of `shape` (same architecture, embedding rows, tying and query
     groups), random weights, saved with the real tokenizer."""
+    from hgpo_trl.progress import transformers_bars_off
     from hgpo_trl.rehearsal.shapes import build_model_folder, tiny_twin
-    from hgpo_trl.reporting import transformers_bars_off
 
     if len(tokenizer) > shape.vocab_rows:
         raise ConfigError(f"--rehearse_tokenizer: its {len(tokenizer)} tokens do not fit the model's "
