@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from hgpo_trl.arguments import (
     EnvArguments,
     EvalArguments,
     check_model_path,
+    did_you_mean,
     entry_point_scope,
     parse_sections,
 )
@@ -73,11 +76,33 @@ class Evaluation:
     tasks: dict[str, list[dict[str, Any]]]  # split -> task rows
     temperature: float
     output_dir: Path
+    model: tuple[Any, Any] | None = None  # (model, tokenizer) evaluated in memory (evaluate_model), else loaded
 
 
-def prepare(argv: list[str] | None = None) -> Evaluation:
+@dataclass
+class EvaluationResult:
+    """What `evaluate_model` returns: the report it wrote to `output_dir` (evaluation.json and evaluation.md)."""
+
+    report: dict[str, Any]
+    output_dir: Path
+
+    def success_rate(self, split: str | None = None, policy: str = "model") -> float:
+        """The mean success over the seeds of `policy` on `split` (None: the first split evaluated)."""
+        rows = [r for r in self.report["results"] if r["policy"] == policy and split in (None, r["split"])]
+        if not rows:
+            played = sorted({(r["policy"], r["split"]) for r in self.report["results"]})
+            raise KeyError(f"no result of policy {policy!r} on split {split!r}; evaluated: {played}")
+        return rows[0]["success_rate"]["mean"]
+
+
+def prepare(argv: list[str] | None = None, model_in_memory: bool = False) -> Evaluation:
     """Parse and check the command line; every problem is a ConfigError naming it, raised before any model loads."""
-    eval_args, env_args, args, model_args = parse_sections(cpu_overrides(argv), (EvalArguments,), "evaluate.py")
+    return checked(*parse_sections(cpu_overrides(argv), (EvalArguments,), "evaluate.py"), model_in_memory)
+
+
+def checked(eval_args: EvalArguments, env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig,
+            model_in_memory: bool = False) -> Evaluation:
+    """The sections checked (`prepare` documents how), and the task lists loaded."""
     unknown = sorted(set(eval_args.policy) - set(POLICIES))
     if unknown or not eval_args.policy:
         raise ConfigError(f"EvalArguments.policy must be one or more of {POLICIES}, got {eval_args.policy}")
@@ -85,7 +110,7 @@ def prepare(argv: list[str] | None = None) -> Evaluation:
         raise ConfigError(f"EvalArguments.seeds must be one or more distinct integers, got {eval_args.seeds}")
     if eval_args.num_envs is not None and eval_args.num_envs < 1:
         raise ConfigError(f"EvalArguments.num_envs must be None or an integer >= 1, got {eval_args.num_envs}")
-    if "model" in eval_args.policy:
+    if "model" in eval_args.policy and not model_in_memory:
         check_model_path(model_args.model_name_or_path)
     splits = eval_args.splits or DEFAULT_SPLITS.get(args.env_name, (env_args.eval_split,))
     if None in splits:
@@ -109,7 +134,7 @@ def prepare(argv: list[str] | None = None) -> Evaluation:
         except ValueError as err:
             raise ConfigError(f"EvalArguments.policy expert: environment {args.env_name!r} has no scripted expert "
                               f"(make_env(..., expert=True) giving info['expert_action']): {err}") from None
-    output_dir = result_folder(eval_args, args, model_args)
+    output_dir = result_folder(eval_args, args, model_args, model_in_memory)
     temperature = 0.0 if eval_args.greedy else args.eval_temperature
     return Evaluation(eval_args, env_args, args, model_args, tasks, temperature, output_dir)
 
@@ -136,13 +161,15 @@ def cpu_overrides(argv: list[str] | None) -> list[str]:
     return [*argv, *(item for name in added for item in (name, "false"))]
 
 
-def result_folder(eval_args: EvalArguments, args: HGPOConfig, model_args: ModelConfig) -> Path:
-    """Where the report goes: `eval_output_dir`, else `evaluation` in the evaluated model's folder, else in the
-    config's output_dir; a folder that holds a report already gives way to the next free `evaluation-N`."""
+def result_folder(eval_args: EvalArguments, args: HGPOConfig, model_args: ModelConfig,
+                  model_in_memory: bool = False) -> Path:
+    """Where the report goes: `eval_output_dir`, else `evaluation` in the evaluated model's folder, else (a hub id,
+    'tiny', a model in memory, reference players) in the config's output_dir; a folder that holds a report already
+    gives way to the next free `evaluation-N`."""
     model = Path(model_args.model_name_or_path or "").expanduser()
     if eval_args.eval_output_dir:
         folder = Path(eval_args.eval_output_dir)
-    elif "model" in eval_args.policy and model_args.model_name_or_path != TINY and model.is_dir():
+    elif "model" in eval_args.policy and not model_in_memory and model_args.model_name_or_path != TINY and model.is_dir():
         folder = model / "evaluation"
     else:
         folder = Path(args.output_dir) / "evaluation"
@@ -164,7 +191,7 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
     scripted_settings = dataclasses.replace(settings, max_prompt_tokens=None)  # their prompts are never read
     model, model_settings, backend = (
         model_policy(args, evaluation.model_args, evaluation.env_args, evaluation.temperature, settings,
-                     evaluation.output_dir) if "model" in eval_args.policy else (None, settings, None))
+                     evaluation.output_dir, evaluation.model) if "model" in eval_args.policy else (None, settings, None))
     largest = max(len(tasks) for tasks in evaluation.tasks.values())
     num_envs = min(eval_args.num_envs or args.tasks_per_device * args.num_generations, largest)
     workers = args.env_workers if args.env_workers is not None else default_worker_count(is_fast_env(args.env_name))
@@ -198,6 +225,75 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
     }
     write_report(report, evaluation.output_dir)
     return report
+
+
+def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOConfig | None = None, *,
+                   tokenizer: Any = None, **options: Any) -> EvaluationResult:
+    """hgpo-eval from Python (a notebook): evaluate `model_or_path` with `config` and return the result, as the
+    command line would play and write it.
+
+    `model_or_path`: a model in memory (a transformers model or a PEFT model; `tokenizer` is then required), or
+    what `model_name_or_path` takes (a run's folder or checkpoint, a LoRA adapter folder, a hub id, 'tiny'); None:
+    the config's. `config`: a train.py YAML file, an `HGPOConfig` (as given to `HGPOTrainer`), or None (the
+    defaults). `options`: any field of the command line (`seeds`, `splits`, `greedy`, `policy`, `num_envs`,
+    `episodes_per_seed`, `eval_output_dir`; `task_kwargs`, `num_eval_tasks`, ...); with a YAML file any train.py
+    field too, overriding it (an `HGPOConfig`'s own fields are set on it); a None value keeps the config's.
+    Bad input raises `ConfigError` (a `ValueError`) with the line the command line would print; nothing is
+    loaded or played before the checks pass. A model in memory keeps its training mode.
+    """
+    in_memory = model_or_path is not None and not isinstance(model_or_path, str | os.PathLike)
+    if in_memory and tokenizer is None:
+        raise ConfigError("evaluate_model: a model in memory needs its tokenizer: evaluate_model(model, config, "
+                          "tokenizer=...)")
+    name = f"in memory ({type(model_or_path).__name__})" if in_memory else (
+        None if model_or_path is None else str(model_or_path))
+    options = {key: value for key, value in options.items() if value is not None}
+    object_config = isinstance(config, HGPOConfig)
+    if object_config and (own := sorted(set(options) & {f.name for f in dataclasses.fields(HGPOConfig)})):
+        raise ConfigError(f"evaluate_model: {', '.join(own)}: set HGPOConfig fields on the HGPOConfig given as "
+                          "config (or give a YAML file)")
+    check_options(options, (EvalArguments, EnvArguments, ModelConfig, *(() if object_config else (HGPOConfig,))))
+    with entry_point_scope():
+        if object_config:
+            sections = {s: s(**{k: v for k, v in options.items() if k in field_names(s)})
+                        for s in (EvalArguments, EnvArguments, ModelConfig)}
+            if name is not None:
+                sections[ModelConfig].model_name_or_path = name
+            evaluation = checked(sections[EvalArguments], sections[EnvArguments], config, sections[ModelConfig],
+                                 model_in_memory=in_memory)
+        else:
+            argv = [*(["--config", str(config)] if config is not None else []),
+                    *(["--model_name_or_path", name] if name is not None else []), *command_line(options)]
+            evaluation = prepare(argv, model_in_memory=in_memory)
+        evaluation.model = (model_or_path, tokenizer) if in_memory else None
+        was_training = getattr(model_or_path, "training", False)
+        try:
+            report = run(evaluation)
+        finally:
+            if in_memory:
+                model_or_path.train(was_training)
+    return EvaluationResult(report, evaluation.output_dir)
+
+
+def command_line(options: dict[str, Any]) -> list[str]:
+    """`options` as command-line arguments: a list as its items, a mapping as JSON, a bool as true / false."""
+    argv = []
+    for name, value in options.items():
+        items = value if isinstance(value, list | tuple) else [json.dumps(value) if isinstance(value, dict) else value]
+        argv += [f"--{name}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in items)]
+    return argv
+
+
+def field_names(section: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(section) if f.init}
+
+
+def check_options(options: dict[str, Any], sections: tuple[type, ...]) -> None:
+    """A ConfigError naming the first option that is no field of `sections`, with the closest that is."""
+    known = set().union(*(field_names(s) for s in sections))
+    if unknown := sorted(set(options) - known):
+        raise ConfigError(f"evaluate_model: unknown option {unknown[0]!r}{did_you_mean(unknown[0], known)}; the "
+                          "options are the fields that python evaluate.py --help-all lists")
 
 
 def main(argv: list[str] | None = None) -> None:

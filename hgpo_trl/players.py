@@ -138,14 +138,16 @@ def vllm_generator(model_path: str, tokenizer, args: HGPOConfig, model_args: Mod
 
 
 def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArguments, temperature: float,
-                 settings: RolloutSettings, output_dir: Path) -> tuple[ModelPolicy, RolloutSettings, str]:
-    """The policy of model_name_or_path, the rollout settings with its prompt budget, and the backend's name (an
-    adapter that vLLM plays is merged into `output_dir/merged_model` first)."""
+                 settings: RolloutSettings, output_dir: Path, loaded: tuple[Any, Any] | None = None
+                 ) -> tuple[ModelPolicy, RolloutSettings, str]:
+    """The policy of model_name_or_path (or of the `loaded` (model, tokenizer) in memory), the rollout settings
+    with its prompt budget, and the backend's name (an adapter that vLLM plays is merged into
+    `output_dir/merged_model` first)."""
     import torch
 
     name = model_args.model_name_or_path
-    adapter = (Path(name).expanduser() / ADAPTER_CONFIG).is_file()
-    if args.use_vllm and name != TINY and torch.cuda.is_available():
+    adapter = loaded is None and (Path(name).expanduser() / ADAPTER_CONFIG).is_file()
+    if args.use_vllm and loaded is None and name != TINY and torch.cuda.is_available():
         from transformers import AutoConfig
 
         if adapter:  # vLLM reads a model folder: merge the adapter into one
@@ -158,10 +160,10 @@ def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArgumen
         backend = "vllm"
     else:
         if args.use_vllm:
-            print("evaluate.py: use_vllm is set, but vLLM runs on a GPU and not the tiny model: generating with "
-                  "transformers")
+            print("evaluate.py: use_vllm is set, but vLLM runs on a GPU from a model folder, not the tiny model or "
+                  "one in memory: generating with transformers")
         with transformers_bars_off(when=not shows_bars(args.disable_tqdm)):  # ("Loading weights" into a log)
-            model, tokenizer = load_model(model_args, env_args, args)
+            model, tokenizer = loaded or load_model(model_args, env_args, args)
         model_config = model.config
         generate = hf_generator(model, tokenizer, args, temperature)
         backend = "transformers"

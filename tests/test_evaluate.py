@@ -308,3 +308,60 @@ def test_results_go_beside_the_evaluated_model_and_never_over_an_earlier_one(tmp
     # Reference players alone go to the config's output_dir; a model is not needed.
     evaluate.main(["--config", config(tmp_path, KEYDOOR), "--seeds", "1", "--policy", "random"])
     assert (tmp_path / "run" / "evaluation" / "evaluation.json").is_file()
+
+
+def test_evaluate_model_takes_a_folder_or_the_same_model_in_memory_and_returns_the_result(tmp_path, tiny_tokenizer):
+    """From Python: a folder, the same weights in memory (a PEFT model too), with a YAML file or an HGPOConfig,
+    play the same games for the same seed, and the result is what evaluation.json holds."""
+    from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.evaluate import EvaluationResult, evaluate_model
+
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2)
+    folder = save_tiny(model, tiny_tokenizer, tmp_path / "model")
+    yaml_file = config(tmp_path, KEYDOOR)
+    from_folder = evaluate_model(str(folder), yaml_file, seeds=[3], eval_output_dir=str(tmp_path / "folder"))
+    assert isinstance(from_folder, EvaluationResult) and from_folder.output_dir == tmp_path / "folder"
+    assert from_folder.report == json.loads((tmp_path / "folder" / "evaluation.json").read_text())
+    assert from_folder.report["model"] == str(folder)
+    assert from_folder.success_rate() == from_folder.success_rate("valid") == \
+        from_folder.report["results"][0]["success_rate"]["mean"]
+    with pytest.raises(KeyError, match=r"no result of policy 'random'"):
+        from_folder.success_rate(policy="random")
+
+    model.train()
+    in_memory = evaluate_model(model, yaml_file, tokenizer=tiny_tokenizer, seeds=[3])
+    assert model.training  # evaluated in eval mode, handed back as it came
+    assert in_memory.report["results"] == from_folder.report["results"]
+    assert in_memory.report["model"] == "in memory (Qwen2ForCausalLM)"
+    assert in_memory.output_dir == tmp_path / "run" / "evaluation"  # the config's output_dir, not a model folder
+
+    args = HGPOConfig(output_dir=str(tmp_path / "run"), env_name="keydoor", action_mode="plain", max_env_steps=4,
+                      max_completion_length=4, use_cpu=True, report_to="none", disable_tqdm=True)
+    lora = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    with_config = evaluate_model(lora, args, tokenizer=tiny_tokenizer, seeds=[3], num_eval_tasks=3,
+                                 task_kwargs={"num_rooms": 3, "num_colors": 3})
+    assert with_config.output_dir == tmp_path / "run" / "evaluation-1"  # the one before is kept
+    assert with_config.report["results"] == from_folder.report["results"]  # a new adapter (B = 0) is the base
+
+
+def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_plays(tmp_path, tiny_tokenizer,
+                                                                                        monkeypatch):
+    from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.evaluate import evaluate_model
+
+    monkeypatch.setattr(evaluate, "run", lambda *args: pytest.fail("a model played despite the bad input"))
+    yaml_file = config(tmp_path, KEYDOOR)
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2)
+    args = HGPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    for call, message in [
+        (lambda: evaluate_model(model, yaml_file), r"^evaluate_model: a model in memory needs its tokenizer"),
+        (lambda: evaluate_model("tiny", yaml_file, greedyy=True), r"unknown option 'greedyy' \(did you mean 'greedy'\?\)"),
+        (lambda: evaluate_model("tiny", yaml_file, seeds=[1, 1]), r"seeds must be one or more distinct integers"),
+        (lambda: evaluate_model("tiny", yaml_file, splits=["valid_seen"]), r"has no split 'valid_seen'"),
+        (lambda: evaluate_model(str(tmp_path), yaml_file), r"holds no model \(config\.json\)"),
+        (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, max_env_steps=3),
+         r"max_env_steps: set HGPOConfig fields on the HGPOConfig given as config"),
+    ]:
+        with pytest.raises(ValueError, match=message) as error:
+            call()
+        assert "\n" not in str(error.value)
