@@ -1,17 +1,21 @@
-"""Gymnasium: a `gymnasium.Env` with text observations and actions, or an ansi-rendered one with a `Discrete`
-action space, behind the `TextEnv` protocol.
+"""Gymnasium: a `gymnasium.Env` with `Text` or `Discrete` actions behind the `TextEnv` protocol, its observations
+shown as text.
 
 A task is a seed: `reset(row)` calls `env.reset(seed=row["seed"])` on environment `row["env_id"]` (default: the
 adapter's `env_id`), so the G rollouts of a task start from the same state; the environment's own generator
 (`np_random`, seeded by that reset) drives any randomness after, so identical actions give identical trajectories.
 
-- Observation: the observation itself when the observation space is `spaces.Text`; else the `render_mode="ansi"`
-  frame after each reset and step, cleaned: ANSI colours become `{text:colour}` (the agent on FrozenLake's start
-  tile is `{S:red}`), and the toy-text line echoing the last action ("  (Down)") is dropped, so that a state reads
-  the same whichever move reached it (HGPO groups on it).
+- Observation: `observation_to_text(observation)` when given (a function, or "module:function"); else the
+  observation itself when the observation space is `spaces.Text`; else the `render_mode="ansi"` frame after each
+  reset and step, cleaned: ANSI colours become `{text:colour}` (the agent on FrozenLake's start tile is
+  `{S:red}`), and the toy-text line echoing the last action ("  (Down)") is dropped, so that a state reads the
+  same whichever move reached it (HGPO groups on it); else the observation written from its space
+  (`gymnasium_spaces`: "(14, 10, 0)"), its parts named for a toy-text environment that has no frame
+  (Blackjack: "your sum 14, dealer shows 10, usable ace: no"). An observation none of these writes is refused
+  when the environment is built, in one line that names `observation_to_text`.
 - Actions: `Discrete` spaces have no action names, so the adapter takes them: `action_names` is a list (name i
   is action `start + i`) or a mapping (name -> action). Gymnasium's toy-text environments (FrozenLake, Taxi,
-  CliffWalking) have built-in names, goals and success rules (`TOY_TEXT`). Names are matched stripped and
+  CliffWalking, Blackjack) have built-in names, goals and success rules (`TOY_TEXT`). Names are matched stripped and
   lower-cased; an unknown name is an invalid move (`info["invalid_move"]`): the environment is not stepped. The
   admissible actions are the names, less those masked by the environment's `info["action_mask"]` (Taxi).
   `spaces.Text` actions are sent as written (an action outside the space is an invalid move); `action_names`
@@ -30,7 +34,7 @@ import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hgpo_trl.envs.base import Info, MissingExtraError, _is_int, rules_prompt, split_seeds
 
@@ -45,20 +49,42 @@ _SPAN = re.compile(r"\x1b\[([\d;]*)m(.*?)\x1b\[0?m", re.DOTALL)
 _ESCAPE = re.compile(r"\x1b\[[\d;]*m")
 _ACTION_ECHO = re.compile(r"^\s*\(\w+\)\s*$")
 
-# Gymnasium's toy-text environments (by id prefix): action names in Discrete order, goal, success rule.
-TOY_TEXT: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "FrozenLake": (("left", "down", "right", "up"),
-                   "Walk from the start S to the goal G over the frozen tiles F without falling into a hole H. "
-                   "The tile written in red, as {F:red}, is where you stand; on slippery ice a move may slide "
-                   "sideways.", "reward"),
-    "Taxi": (("south", "north", "east", "west", "pickup", "dropoff"),
-             "Drive the taxi to the passenger (the blue letter), pick them up, drive to the destination (the "
-             "magenta letter) and drop them off. The taxi is the cell written in yellow, as { :yellow}, when "
-             "empty, in green when carrying. Every step costs 1, a wrong pickup or dropoff 10.",
-             "terminated"),
-    "CliffWalking": (("up", "right", "down", "left"),
-                     "Walk from the start to the goal T without stepping on the cliff C (it sends you back to the "
-                     "start, reward -100). x is where you stand; every step costs 1.", "terminated"),
+
+class ToyText(NamedTuple):
+    """What a gymnasium toy-text environment does not say itself."""
+
+    actions: tuple[str, ...]  # the action names, in Discrete order
+    goal: str  # the task sentence
+    success: str  # the success rule (SUCCESS)
+    observation_to_text: Callable[[Any], str] | None = None  # its observation, parts named, where no frame shows it
+
+
+def _blackjack_text(observation: tuple[int, int, int]) -> str:
+    player, dealer, usable_ace = observation
+    return (f"your sum {player}, dealer shows {'an ace' if dealer == 1 else dealer}, usable ace: "
+            f"{'yes' if usable_ace else 'no'}")
+
+
+# Gymnasium's toy-text environments, by id prefix.
+TOY_TEXT: dict[str, ToyText] = {
+    "FrozenLake": ToyText(
+        ("left", "down", "right", "up"),
+        "Walk from the start S to the goal G over the frozen tiles F without falling into a hole H. The tile "
+        "written in red, as {F:red}, is where you stand; on slippery ice a move may slide sideways.", "reward"),
+    "Taxi": ToyText(
+        ("south", "north", "east", "west", "pickup", "dropoff"),
+        "Drive the taxi to the passenger (the blue letter), pick them up, drive to the destination (the magenta "
+        "letter) and drop them off. The taxi is the cell written in yellow, as { :yellow}, when empty, in green "
+        "when carrying. Every step costs 1, a wrong pickup or dropoff 10.", "terminated"),
+    "CliffWalking": ToyText(
+        ("up", "right", "down", "left"),
+        "Walk from the start to the goal T without stepping on the cliff C (it sends you back to the start, "
+        "reward -100). x is where you stand; every step costs 1.", "terminated"),
+    "Blackjack": ToyText(
+        ("stand", "hit"),
+        "Beat the dealer at blackjack: end closer to 21 than the dealer without going over. Hit to draw a card, "
+        "stand to stop and let the dealer draw; an ace counts 11 while that keeps your sum at 21 or less (a "
+        "usable ace), else 1. A win pays 1, a loss costs 1.", "reward", _blackjack_text),
 }
 
 
@@ -85,7 +111,7 @@ def clean_frame(frame: str) -> str:
     return "\n".join(lines).strip("\n")
 
 
-def _toy_text(env_id: str | None) -> tuple[tuple[str, ...], str, str] | None:
+def _toy_text(env_id: str | None) -> ToyText | None:
     name = (env_id or "").split("/")[-1].split(":")[-1]
     return next((spec for prefix, spec in TOY_TEXT.items() if name.startswith(prefix)), None)
 
@@ -104,11 +130,28 @@ def _renders_ansi(gym, env_id: str) -> bool:
     return isinstance(metadata, Mapping) and "ansi" in (metadata.get("render_modes") or ())
 
 
+def _observation_hook(hook: str | Callable[[Any], str] | None) -> Callable[[Any], str] | None:
+    """observation_to_text as a function: as given, or imported from "module:function" (the form YAML can give)."""
+    if hook is None or callable(hook):
+        return hook
+    module, _, name = str(hook).partition(":")
+    if not isinstance(hook, str) or not module or not name:
+        raise ValueError(f"observation_to_text must be a function or a 'module:function' string, got {hook!r}")
+    try:
+        function = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"observation_to_text {hook!r} cannot be imported: {type(err).__name__}: {err}") from None
+    if not callable(function):
+        raise ValueError(f"observation_to_text {hook!r} is not a function: {type(function).__name__}")
+    return function
+
+
 class _Game:
-    """One gymnasium environment with its action table and observation kind."""
+    """One gymnasium environment with its action table and its observations' text."""
 
     def __init__(self, env_id: str | Callable[..., Any], make_kwargs: Mapping[str, Any], observation: str,
-                 action_names: Sequence[str] | Mapping[str, Any] | None):
+                 action_names: Sequence[str] | Mapping[str, Any] | None,
+                 observation_to_text: Callable[[Any], str] | None):
         gym = _import_gymnasium()
         from gymnasium import spaces
 
@@ -116,7 +159,8 @@ class _Game:
         try:
             if isinstance(env_id, str):
                 kwargs = dict(make_kwargs)
-                if observation != "text" and "render_mode" not in kwargs and _renders_ansi(gym, env_id):
+                wants_frame = observation_to_text is None and observation != "text"  # a hook never reads it
+                if wants_frame and "render_mode" not in kwargs and _renders_ansi(gym, env_id):
                     kwargs["render_mode"] = "ansi"
                 self.env = gym.make(env_id, **kwargs)
             else:
@@ -127,20 +171,14 @@ class _Game:
         if not isinstance(self.env, gym.Env):
             raise ValueError(f"Gymnasium environment {self.name!r} is not a gymnasium.Env: {type(self.env).__name__}")
         self.toy = _toy_text(self.env.spec.id if self.env.spec is not None else self.name)
-        if observation == "auto":
-            observation = "text" if isinstance(self.env.observation_space, spaces.Text) else "ansi"
-        if observation == "ansi" and self.env.render_mode != "ansi":
-            raise ValueError(f"Gymnasium environment {self.name!r}: its observations are not text "
-                             f"({self.env.observation_space}), and it does not render as text "
-                             f"(render_mode={self.env.render_mode!r}, not 'ansi')")
-        self.observation = observation
+        self.to_text = observation_to_text or self._default_text(observation)
         space = self.env.action_space
         self.text_actions = isinstance(space, spaces.Text)
         if not self.text_actions and not isinstance(space, spaces.Discrete):
             raise ValueError(f"Gymnasium environment {self.name!r}: the action space must be Text or Discrete, "
                              f"got {space}")
         if action_names is None and self.toy is not None:
-            action_names = self.toy[0]
+            action_names = self.toy.actions
         if action_names is None and not self.text_actions:
             raise ValueError(f"Gymnasium environment {self.name!r} has a Discrete action space ({space}), whose "
                              "actions have no names: pass action_names, a list (name i is action start + i) or a "
@@ -168,18 +206,52 @@ class _Game:
             raise ValueError(f"action_names {bad} are not non-empty strings naming actions of {space}")
         return table
 
+    def _default_text(self, observation: str) -> Callable[[Any], str]:
+        """observation -> text when no observation_to_text is given: the ansi frame ("auto" when the environment
+        draws one and its observations are not Text), else the toy-text table's, else the space's rendering."""
+        from gymnasium import spaces
+
+        from hgpo_trl.envs.gymnasium_spaces import space_renderer
+
+        space = self.env.observation_space
+        if observation == "auto":
+            observation = "ansi" if self.env.render_mode == "ansi" and not isinstance(space, spaces.Text) else "text"
+        if observation == "ansi":
+            if self.env.render_mode != "ansi":
+                raise ValueError(f"Gymnasium environment {self.name!r} does not render as text (render_mode="
+                                 f"{self.env.render_mode!r}, not 'ansi'): leave observation at 'auto', or pass "
+                                 "observation_to_text")
+            return lambda _: clean_frame(str(self.env.render()))
+        if self.toy is not None and self.toy.observation_to_text is not None:
+            return self.toy.observation_to_text
+        try:
+            return space_renderer(space)
+        except ValueError as err:
+            raise ValueError(f"Gymnasium environment {self.name!r} has no text for its observations: no ansi frame "
+                             f"to read, and {err}; pass observation_to_text, a function observation -> str (in YAML, "
+                             "env_kwargs {observation_to_text: 'my_module:my_function'})") from None
+
     def text(self, observation: Any) -> str:
-        return str(observation) if self.observation == "text" else clean_frame(str(self.env.render()))
+        text = self.to_text(observation)
+        if not isinstance(text, str):
+            raise ValueError(f"observation_to_text of Gymnasium environment {self.name!r} returned a "
+                             f"{type(text).__name__}, not a str")
+        return text
 
 
 class GymnasiumEnv:
     """A gymnasium environment as a `TextEnv` (see the module doc). `env_id`: a registered id (or
     "module:Id"), or a callable returning the environment; `make_kwargs` go to `gymnasium.make` (or the
-    callable); `task`: the goal sentence shown in every prompt (default: the toy-text one, or a generic one)."""
+    callable); `task`: the goal sentence shown in every prompt (default: the toy-text one, or a generic one);
+    `observation`: "auto", "ansi" (the frame) or "text" (the observation written out: Text as it is, a toy-text
+    environment's by the table, any other from its space);
+    `observation_to_text`: a one-argument function, observation -> str, that replaces them all, or its
+    "module:function" (the form YAML can give; a callable must pickle for `env_workers`)."""
 
     def __init__(self, env_id: str | Callable[..., Any] | None = None, action_names: Sequence[str] | Mapping[str, Any]
                  | None = None, task: str | None = None, max_steps: int = 50, success: str = "auto",
-                 reward_scale: float = 1.0, observation: str = "auto", make_kwargs: Mapping[str, Any] | None = None):
+                 reward_scale: float = 1.0, observation: str = "auto", make_kwargs: Mapping[str, Any] | None = None,
+                 observation_to_text: str | Callable[[Any], str] | None = None):
         if success not in SUCCESS:
             raise ValueError(f"success must be one of {SUCCESS}, got {success!r}")
         if observation not in OBSERVATIONS:
@@ -192,7 +264,10 @@ class GymnasiumEnv:
             raise ValueError(f"env_id must be a gymnasium id such as 'FrozenLake-v1' or a callable, got {env_id!r}")
         if make_kwargs is not None and not isinstance(make_kwargs, Mapping):
             raise ValueError(f"make_kwargs must be a mapping, got {make_kwargs!r}")
+        if observation_to_text is not None and observation != "auto":
+            raise ValueError(f"observation_to_text replaces observation={observation!r}: pass one of them")
         _import_gymnasium()
+        self.observation_to_text = _observation_hook(observation_to_text)
         self.env_id, self.action_names, self.task, self.max_steps = env_id, action_names, task, int(max_steps)
         self.success, self.reward_scale, self.observation = success, float(reward_scale), observation
         self.make_kwargs = dict(make_kwargs or {})
@@ -203,7 +278,8 @@ class GymnasiumEnv:
 
     def _make(self, env_id: str | Callable[..., Any]) -> _Game:
         if env_id not in self._games:
-            self._games[env_id] = _Game(env_id, self.make_kwargs, self.observation, self.action_names)
+            self._games[env_id] = _Game(env_id, self.make_kwargs, self.observation, self.action_names,
+                                        self.observation_to_text)
         return self._games[env_id]
 
     def reset(self, task: Mapping[str, Any]) -> tuple[str, Info]:
@@ -216,7 +292,7 @@ class GymnasiumEnv:
             raise ValueError(f"Gymnasium task field 'seed' must be an integer >= 0, got {seed!r}")
         self._game = game = self._make(env_id)
         observation, info = game.env.reset(seed=int(seed))
-        self._sentence = self.task or (game.toy[1] if game.toy else f"Play {game.name}: reach its goal.")
+        self._sentence = self.task or (game.toy.goal if game.toy else f"Play {game.name}: reach its goal.")
         self._steps, self._return, self._done, self._won = 0, 0.0, False, False
         self._observation, self._mask = game.text(observation), info.get("action_mask")
         return self._observation, self._info()
@@ -254,7 +330,7 @@ class GymnasiumEnv:
     def _succeeded(self, reward: float, terminated: bool, info: Mapping[str, Any]) -> bool:
         rule = self.success
         if rule == "auto":
-            rule = self._game.toy[2] if self._game.toy else "is_success" if "is_success" in info else "reward"
+            rule = self._game.toy.success if self._game.toy else "is_success" if "is_success" in info else "reward"
         if rule == "is_success":
             return bool(info.get("is_success", False))
         return bool(terminated) and (rule == "terminated" or reward > 0)

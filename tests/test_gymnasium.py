@@ -1,13 +1,17 @@
 """Gymnasium environments through `make_env("gymnasium", env_id=...)`: gymnasium's own toy-text environments
-(FrozenLake, Taxi, CliffWalking) with their ansi frames and named Discrete actions, an environment of `spaces.Text`,
-seeded task groups, worker processes, bad input, and train.py's parsing of the environment by name."""
+(FrozenLake, Taxi, CliffWalking) with their ansi frames and named Discrete actions, Blackjack's observation named
+from the toy-text table, an environment of `spaces.Text`, observations written from their spaces (or by an
+`observation_to_text` hook), seeded task groups, worker processes, bad input, and train.py's parsing of the
+environment by name."""
 
 import json
 import sys
 from functools import partial
 from typing import ClassVar
 
+import numpy as np
 import pytest
+import yaml
 
 pytest.importorskip("gymnasium", reason="the gymnasium extra is not installed: pip install 'hgpo-trl[gymnasium]'")
 
@@ -17,6 +21,7 @@ from gymnasium import spaces
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.base import MissingExtraError
 from hgpo_trl.envs.gymnasium_env import clean_frame
+from hgpo_trl.envs.gymnasium_spaces import space_renderer
 from hgpo_trl.envs.pool import WorkerPoolEnvs
 
 FROZEN_PATH = ["down", "down", "right", "right", "down", "right"]  # through the default 4x4 map's holes
@@ -80,6 +85,23 @@ def test_cliff_walking_sends_the_agent_back_and_the_goal_ends_it():
     assert len(results) == 20 and results[-1][3] and not results[-1][2] and not results[-1][4]["won"]
 
 
+def test_blackjack_reads_as_named_parts_and_a_win_is_a_positive_reward():
+    env = make_env("gymnasium", env_id="Blackjack-v1")
+    observation, info = env.reset({"seed": 0})
+    assert observation == "your sum 11, dealer shows 10, usable ace: no"  # Tuple(Discrete(32), Discrete(11), ...)
+    assert info["admissible_actions"] == ["stand", "hit"] and "blackjack" in info["task"]
+    assert env.step("hit")[:4] == ("your sum 12, dealer shows 10, usable ace: no", 0.0, False, False)
+    assert env.reset({"seed": 5})[0] == "your sum 21, dealer shows 9, usable ace: yes"
+    _, reward, terminated, _, info = env.step("stand")
+    assert reward == 1.0 and terminated and info["won"] and info["score"] == 1.0
+    assert env.reset({"seed": 23})[0] == "your sum 15, dealer shows an ace, usable ace: no"
+    _, reward, terminated, _, info = env.step(" Stand")
+    assert reward == -1.0 and terminated and not info["won"]
+    env.reset({"seed": 7})
+    _, reward, terminated, _, info = env.step("stand")
+    assert reward == 0.0 and terminated and not info["won"]  # a draw is no win
+
+
 class SecretWord(gymnasium.Env):
     """A gymnasium.Env of text observations and actions: say the secret word, drawn from the seeded np_random."""
 
@@ -112,6 +134,87 @@ def test_an_env_of_text_spaces_is_played_as_written():
     assert terminated and info["won"] and reward == 1.0
 
 
+@pytest.mark.parametrize(("space", "observation", "text"), [
+    (spaces.Discrete(3, start=-1), np.int64(-1), "-1"),
+    (spaces.Text(16), "door", "door"),
+    (spaces.MultiDiscrete([3, 2, 4]), np.array([2, 0, 3]), "[2, 0, 3]"),
+    (spaces.MultiDiscrete([[2, 2], [3, 3]]), np.array([[1, 0], [2, 1]]), "[[1, 0], [2, 1]]"),
+    (spaces.MultiBinary(3), np.array([1, 0, 1], dtype=np.int8), "[1, 0, 1]"),
+    (spaces.Box(-1, 1, (3,)), np.array([0.0273, -0.5, -0.00004], dtype=np.float32), "[0.027, -0.5, 0]"),
+    (spaces.Box(0, 9, (2, 2), dtype=np.int64), np.array([[1, 2], [3, 4]]), "[[1, 2], [3, 4]]"),
+    (spaces.Box(-np.inf, np.inf, ()), np.array(1234.5678), "1234.568"),
+    (spaces.Box(0, 1, (2,), dtype=np.bool_), np.array([True, False]), "[1, 0]"),
+    (spaces.Tuple((spaces.Discrete(32), spaces.Discrete(11), spaces.Discrete(2))), (14, 10, 0), "(14, 10, 0)"),
+    (spaces.Dict({"position": spaces.Box(0, 4, (2,), dtype=np.int64), "has_key": spaces.Discrete(2)}),
+     {"position": np.array([3, 0]), "has_key": 1}, "{has_key: 1, position: [3, 0]}"),  # the space's (sorted) keys
+    (spaces.Tuple((spaces.Discrete(2), spaces.Dict({"goal": spaces.Tuple((spaces.Discrete(5), spaces.Discrete(5))),
+                                                    "seen": spaces.MultiBinary(2)}))),
+     (1, {"goal": (4, 2), "seen": np.array([0, 1])}), "(1, {goal: (4, 2), seen: [0, 1]})"),
+], ids=["discrete", "text", "multi-discrete", "multi-discrete-2d", "multi-binary", "box-floats", "box-ints",
+        "box-scalar", "box-bools", "tuple", "dict", "nested"])
+def test_an_observation_is_written_from_its_space(space, observation, text):
+    assert space_renderer(space)(observation) == text
+
+
+def test_an_array_of_up_to_64_numbers_is_written_and_an_unknown_env_reads_that_way():
+    assert space_renderer(spaces.Box(0, 1, (8, 8), dtype=np.int64))(np.eye(8, dtype=np.int64)).count("1") == 8
+    with pytest.raises(ValueError, match=r"holds 65 numbers, over the 64"):
+        space_renderer(spaces.Box(0, 1, (65,)))
+    env = make_env("gymnasium", env_id="MountainCar-v0", action_names=["push left", "no push", "push right"])
+    assert env.reset({"seed": 0})[0] == "[-0.473, 0]"  # Box(2) of floats (position, velocity), no ansi frame
+
+
+class Unreadable(gymnasium.Env):
+    """An environment whose observations have no default text; never reset (it is refused before)."""
+
+    metadata: ClassVar[dict] = {"render_modes": []}
+
+    def __init__(self, observation_space):
+        self.observation_space, self.action_space = observation_space, spaces.Discrete(2)
+
+
+def camera():
+    return Unreadable(spaces.Box(0, 255, (8, 8, 3), np.uint8))
+
+
+def road_map():
+    return Unreadable(spaces.Graph(spaces.Discrete(3), None))
+
+
+def hand_of_cards():
+    return Unreadable(spaces.Tuple((spaces.Discrete(2), spaces.Sequence(spaces.Discrete(52)))))
+
+
+@pytest.mark.parametrize(("env_id", "part"), [
+    (camera, "Box(0, 255, (8, 8, 3), uint8) holds 192 numbers, over the 64 written out as text"),
+    (road_map, "Graph(Discrete(3), None) has no default text"),
+    (hand_of_cards, "Sequence(Discrete(52), stack=False) has no default text"),  # a part of the Tuple
+], ids=["image", "graph", "nested-sequence"])
+def test_observations_with_no_text_are_refused_in_one_line_that_names_the_hook(env_id, part):
+    with pytest.raises(ValueError) as refused:
+        make_env("gymnasium", env_id=env_id, action_names=["wait", "go"])
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"Gymnasium environment '{env_id.__name__}' has no text")
+    assert part in message and "pass observation_to_text, a function observation -> str" in message
+    assert "env_kwargs {observation_to_text: 'my_module:my_function'}" in message
+
+
+def blackjack_in_words(observation):
+    """Blackjack's observation as a user's hook writes it (read by the test below as "module:function" too)."""
+    player, dealer, usable_ace = observation
+    return f"I hold {player}{' with a soft ace' if usable_ace else ''}; the dealer shows {dealer}."
+
+
+def test_observation_to_text_replaces_the_default_given_as_a_function_or_in_yaml():
+    from_python = make_env("gymnasium", env_id="Blackjack-v1", observation_to_text=blackjack_in_words)
+    options = yaml.safe_load('{env_id: Blackjack-v1, observation_to_text: "tests.test_gymnasium:blackjack_in_words"}')
+    for env in (from_python, make_env("gymnasium", **options)):
+        assert env.reset({"seed": 5})[0] == "I hold 21 with a soft ace; the dealer shows 9."
+        assert env.step("hit")[0] == "I hold 18; the dealer shows 9."
+    with pytest.raises(ValueError, match="returned a tuple, not a str"):
+        make_env("gymnasium", env_id="Blackjack-v1", observation_to_text=tuple).reset({"seed": 0})
+
+
 def test_several_environments_per_worker_play_alike():
     factory = partial(make_env, "gymnasium", env_id="FrozenLake-v1")  # slippery: each env draws from np_random
     moves = ["right", "down", "right", "down"]
@@ -124,7 +227,7 @@ def test_several_environments_per_worker_play_alike():
     assert pool.faults == 0 and frames == [{frame} for frame in expected]
 
 
-FROZEN_RUN = """model_name_or_path: tiny
+TINY_RUN = """model_name_or_path: tiny
 output_dir: {out}
 report_to: none
 use_cpu: true
@@ -159,11 +262,28 @@ def test_tasks_are_seed_rows_and_train_py_trains_on_the_environment_by_name(tmp_
     assert make_tasks("gymnasium", "valid", env_id="Taxi-v4", num_tasks=2)["task_id"] == ["Taxi-v4/1000000",
                                                                                          "Taxi-v4/1000001"]
     config = tmp_path / "frozen.yaml"
-    config.write_text(FROZEN_RUN.format(out=tmp_path / "out"))
+    config.write_text(TINY_RUN.format(out=tmp_path / "out"))
     main(["--config", str(config), "--env_kwargs", '{"env_id": "FrozenLake-v1", "max_steps": 6}'])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["iterations"] == summary["optimizer_steps"] == 2 and 0 <= summary["success_rate_end"] <= 1
     assert summary["config"]["trainer"]["env_kwargs"] == {"env_id": "FrozenLake-v1", "max_steps": 6}
+
+
+@pytest.mark.slow
+def test_train_py_trains_on_blackjack_by_name(tmp_path, monkeypatch):
+    import hgpo_trl.cli
+
+    histories = []  # the trainer's log history, as the run hands it to its summary
+    start_evaluation = hgpo_trl.cli.start_evaluation
+    monkeypatch.setattr(hgpo_trl.cli, "start_evaluation", lambda log: histories.append(log) or start_evaluation(log))
+    config = tmp_path / "blackjack.yaml"
+    config.write_text(TINY_RUN.format(out=tmp_path / "out"))
+    hgpo_trl.cli.main(["--config", str(config), "--env_kwargs", '{"env_id": "Blackjack-v1"}'])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["iterations"] == summary["optimizer_steps"] == 2 and 0 <= summary["success_rate_end"] <= 1
+    iterations = [log for log in histories[0] if "env/success_rate" in log]
+    assert len(iterations) == 2 and all(log["steps/collected"] > 0 and log["env/faults"] == 0 for log in iterations)
+    assert all(0 <= log["env/success_rate"] <= 1 and -1 <= log["env/episode_reward"] <= 1 for log in iterations)
 
 
 def one_room(render_mode="ansi"):
@@ -180,13 +300,17 @@ def one_room(render_mode="ansi"):
     ({"env_id": "FrozenLake-v1", "action_names": ["go", "Go ", "a", "b"]}, "must differ once stripped"),
     ({"env_id": "FrozenLake-v1", "action_names": {"left": 0, "jump": 7}}, r"\['jump'\] are not"),
     ({"env_id": "FrozenLake-v1", "action_names": "left down right up"}, "a list or a mapping"),
-    ({"env_id": partial(one_room, render_mode=None), "action_names": ["u", "r", "d", "l"]}, "does not render as text"),
-    ({"env_id": "CartPole-v1"}, "its observations are not text"),
+    ({"env_id": partial(one_room, render_mode=None), "action_names": ["u", "r", "d", "l"], "observation": "ansi"},
+     "does not render as text"),
+    ({"env_id": "CartPole-v1"}, "Discrete action space .* pass action_names"),
+    ({"env_id": "Blackjack-v1", "observation_to_text": str, "observation": "text"}, "replaces observation='text'"),
+    ({"env_id": "Blackjack-v1", "observation_to_text": "no_such_module:words"}, "cannot be imported: ModuleNot"),
+    ({"env_id": "Blackjack-v1", "observation_to_text": "words"}, "a function or a 'module:function' string"),
     ({"env_id": "NoSuchGame-v0"}, "'NoSuchGame-v0' could not be made"),
     ({"env_id": "FrozenLake-v1", "success": "maybe"}, "success must be one of"),
     ({"env_id": 7}, "env_id must be a gymnasium id"),
-], ids=["no-names", "wrong-count", "duplicates", "not-an-action", "string", "no-ansi", "cartpole", "unknown",
-        "success", "env-id"])
+], ids=["no-names", "wrong-count", "duplicates", "not-an-action", "string", "no-ansi", "cartpole", "hook-and-mode",
+        "hook-missing", "hook-no-module", "unknown", "success", "env-id"])
 def test_bad_input_is_one_error_naming_the_problem(options, message):
     with pytest.raises(ValueError, match=message):
         make_env("gymnasium", **options)
