@@ -51,6 +51,15 @@ def load_tasks(args: HGPOConfig, env_args: EnvArguments, split: str | None, limi
     return tasks.select(range(min(limit, len(tasks)))) if limit is not None else tasks
 
 
+def check_environment(args: HGPOConfig) -> None:
+    """One environment built and closed before any model loads: options it refuses (a ValueError, a missing
+    extra) fail here in one line, not in a traceback from the tiny model's vocabulary or the first rollout."""
+    try:
+        make_env(args.env_name, **(args.env_kwargs or {})).close()
+    except ValueError as err:  # (MissingExtraError is one)
+        raise ConfigError(f"HGPOConfig.env_kwargs: environment {args.env_name!r} cannot be built: {err}") from None
+
+
 def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig, train_tasks):
     """(model, tokenizer): the offline tiny model built for the environment's vocabulary, or any hub id/path."""
     if model_args.model_name_or_path == TINY:
@@ -100,6 +109,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     start = time.time()
     train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)
     eval_tasks = load_tasks(args, env_args, env_args.eval_split, env_args.num_eval_tasks)
+    check_environment(args)
     model, tokenizer = load_model(model_args, env_args, args, train_tasks)
     warmstart = {}
     if env_args.warmstart_steps > 0:

@@ -45,7 +45,7 @@ from hgpo_trl.arguments import (
     entry_point_scope,
     parse_sections,
 )
-from hgpo_trl.cli import load_tasks
+from hgpo_trl.cli import check_environment, load_tasks
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env
 from hgpo_trl.envs.pool import default_worker_count, make_env_batch
@@ -128,7 +128,8 @@ def checked(eval_args: EvalArguments, env_args: EnvArguments, args: HGPOConfig, 
         except ValueError as err:
             raise ConfigError(f"EvalArguments.splits: environment {args.env_name!r} has no split {split!r} "
                               f"to evaluate ({err})") from None
-    if "expert" in eval_args.policy:  # (after the tasks: a data problem is reported as one, not as this)
+    check_environment(args)  # (after the tasks: a data problem is reported as one, not as this)
+    if "expert" in eval_args.policy:
         try:
             make_env(args.env_name, **{**(args.env_kwargs or {}), "expert": True}).close()
         except ValueError as err:

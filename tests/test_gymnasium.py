@@ -329,3 +329,25 @@ def test_named_actions_by_mapping_and_a_row_without_an_environment():
     with pytest.raises(ValueError, match="names no environment"):
         make_env("gymnasium").reset({"seed": 0})
     assert clean_frame("\x1b[41mS\x1b[0mF\n  (Left)\n") == "{S:red}F"
+
+
+@pytest.mark.parametrize("model", ["tiny", "folder"])
+def test_train_py_refuses_an_environment_it_cannot_build_in_one_line(tmp_path, capsys, model, tiny_model,
+                                                                     tiny_tokenizer):
+    """Before any model loads (the tiny one is built from the environment's texts, a folder's is not)."""
+    from hgpo_trl.cli import main
+
+    config = tmp_path / "cartpole.yaml"
+    config.write_text(TINY_RUN.format(out=tmp_path / "out"))
+    argv = ["--config", str(config), "--env_kwargs", '{"env_id": "CartPole-v1"}']
+    if model == "folder":
+        tiny_model.save_pretrained(tmp_path / "model")
+        tiny_tokenizer.save_pretrained(tmp_path / "model")
+        argv += ["--model_name_or_path", str(tmp_path / "model"), "--warmstart_steps", "0"]
+        capsys.readouterr()  # (the save's bar)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("train.py: configuration error: HGPOConfig.env_kwargs: environment 'gymnasium' cannot be "
+                          "built: ") and "pass action_names" in err and len(err.splitlines()) == 1, err
