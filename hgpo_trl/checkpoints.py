@@ -129,13 +129,15 @@ def without_tied_keys(model, load_result):
 
 
 def save_checkpoint(trainer, trial, parent_save: Callable[[], None]) -> None:
-    """The Trainer's checkpoint (`parent_save()`) plus each process's own run state (the iterations played, the
-    fault streak, its sub-sampling stream, seeded per process, the wall time so far), staged (`save_staged`)."""
+    """The Trainer's checkpoint (`parent_save()`) plus each process's own run state (the iterations played,
+    dynamic sampling's extra batches, the fault streak, its sub-sampling stream, seeded per process, the wall
+    time so far), staged (`save_staged`)."""
 
     def write(folder: str) -> None:
         parent_save()
         write_trainer_state(folder, trainer.accelerator.process_index, {
-            "iterations": trainer.completed_iterations, "faulty_streak": trainer._faults.count,
+            "iterations": trainer.completed_iterations, "extra_batches": trainer._iterations.extra_batches,
+            "faulty_streak": trainer._faults.count,
             "sample_rng": trainer._sample_rng.bit_generator.state, "wall_seconds": trainer.clock.segments()})
 
     save_staged(trainer, trial, write)
@@ -143,10 +145,11 @@ def save_checkpoint(trainer, trial, parent_save: Callable[[], None]) -> None:
 
 def load_run_state(trainer, checkpoint: str) -> None:
     """A resumed run continues the iteration count (the stop, the tasks, the schedule, dump names and the
-    diagnostics cadence), the fault streak and the sub-sampling stream of `checkpoint`: it is the run it
-    continues."""
+    diagnostics cadence), dynamic sampling's task stream, the fault streak and the sub-sampling stream of
+    `checkpoint`: it is the run it continues."""
     state = read_trainer_state(checkpoint, trainer.accelerator.process_index)
     trainer._iteration = state.get("iterations", trainer._iteration)
+    trainer._iterations.extra_batches = state.get("extra_batches", 0)
     trainer._faults.count = state.get("faulty_streak", trainer._faults.count)
     if "sample_rng" in state:
         trainer._sample_rng.bit_generator.state = state["sample_rng"]

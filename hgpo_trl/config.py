@@ -22,6 +22,7 @@ from hgpo_trl.advantages import ESTIMATORS, estimator_options
 from hgpo_trl.advantages.groups import DDOFS, NORMS
 from hgpo_trl.advantages.grpo import EPISODE_STATS
 from hgpo_trl.advantages.hgpo import WEIGHTINGS
+from hgpo_trl.dynamic_sampling import TASK_CHOICES
 from hgpo_trl.envs.registry import invalid_tail_chars, prompt_has_format
 from hgpo_trl.fields import ESTIMATOR_FIELDS, HGPOFields
 from hgpo_trl.rollout import INVALID_ACTIONS, RolloutSettings
@@ -238,6 +239,8 @@ class HGPOConfig(HGPOFields, GRPOConfig):
              f"a divisor of the processes ({os.environ.get('WORLD_SIZE', '1')}) under vllm_mode 'colocate' (each "
              "process group of that size shares one vLLM engine)"),
             ("step_batching", self.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
+            ("max_rollout_batches", self.max_rollout_batches >= 1, "an integer >= 1"),
+            ("dynamic_sampling_tasks", self.dynamic_sampling_tasks in TASK_CHOICES, f"one of {TASK_CHOICES}"),
             ("fill_last_micro_batch", self.fill_last_micro_batch in FILLS, f"one of {FILLS}"),
             ("balance_steps", not self.balance_steps or self.step_batching == "all_steps",
              "false under step_batching 'fixed_budget' (it shares out the rows of all_steps)"),

@@ -35,6 +35,24 @@ class HGPOFields:
         default=None, metadata={"help": "Rollout iterations to train for; sets max_steps (optimizer steps) from it "
                                         "(under all_steps, an upper bound: iterations stop the run)."})
 
+    dynamic_sampling: bool = field(
+        default=False, metadata={"help": "Drop each task group whose num_generations episodes all got the same "
+                                         "episode reward (its episode term is zero) and play more rollout batches "
+                                         "until the kept groups fill the iteration's tasks over all processes, at "
+                                         "most max_rollout_batches, the last one kept unfiltered: released "
+                                         "algorithm.filter_groups (DAPO's dynamic sampling), for every estimator. "
+                                         "env/* metrics then cover the kept groups, as released; dynamic/* the "
+                                         "batches."})
+    max_rollout_batches: int = field(
+        default=10, metadata={"help": "dynamic_sampling: rollout batches an iteration may play (released "
+                                      "max_num_gen_batches; 10, verl's default)."})
+    dynamic_sampling_tasks: str = field(
+        default="fresh", metadata={"help": "dynamic_sampling: the tasks of each extra batch: 'fresh' (new tasks "
+                                           "from a seeded stream of their own, its position saved in checkpoints; "
+                                           "in effect the release's on ALFWorld and WebShop, whose environments draw "
+                                           "new games at every reset) or 'replay' (the iteration's tasks again: the "
+                                           "release replays its batch of prompts)."})
+
     # Step samples and optimizer steps
     step_batching: str = field(
         default="fixed_budget", metadata={

@@ -52,6 +52,7 @@ class FaultStreak:
 @dataclass
 class IterationCount:
     started: int = 0  # rollouts started: the 1-based number of the iteration being played or trained
+    extra_batches: int = 0  # dynamic sampling's extra rollout batches played: the position of their task stream
 
 
 class IterationCadence(TrainerCallback):

@@ -4,12 +4,15 @@ the first of each iteration starts a rollout)."""
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Iterator, Sized
 
 import torch
 from torch.utils.data import Sampler
+
+EXTRA_STREAM_SEED = 1_000_003  # dynamic sampling's stream of tasks: the run's seed plus this
 
 
 class TaskSampler(Sampler[int]):
@@ -70,6 +73,13 @@ class TaskSampler(Sampler[int]):
         per_process = self.tasks_per_iteration // num_processes
         start = chunk * self.tasks_per_iteration + rank * per_process
         return self.pass_order(passes)[start:start + per_process]
+
+    def extra_tasks(self, batch: int, rank: int, num_processes: int) -> list[int]:
+        """The task indices process `rank` plays in the run's (0-based) `batch`-th extra rollout batch of dynamic
+        sampling: the iterations' sequence drawn with another seed, so extra batches do not replay their order."""
+        extra = copy.copy(self)
+        extra.seed = self.seed + EXTRA_STREAM_SEED
+        return extra.iteration_tasks(batch, rank, num_processes)
 
     def __len__(self) -> int:
         return self.iterations_per_pass * self.tasks_per_iteration * self.repeat

@@ -36,6 +36,7 @@ from hgpo_trl.checkpoints import (
 )
 from hgpo_trl.collective import any_process, process_max, process_sum
 from hgpo_trl.config import HGPOConfig, check_trainer_arguments, check_trainer_inputs
+from hgpo_trl.dynamic_sampling import play_training_batches
 from hgpo_trl.envs import TextEnv, make_env
 from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
@@ -189,8 +190,7 @@ class HGPOTrainer(GRPOTrainer):
         """One training rollout of `tasks` and its advantages (on all steps): (rollout, batch, advantages,
         seconds spent on the advantages). Stops every process when the environments keep failing or an
         advantage is not finite."""
-        rollout = self._play(tasks, self.num_generations, self.temperature)
-        self._faults.stop_if_broken(self, rollout)  # a broken environment stops the run
+        rollout, tasks = play_training_batches(self, tasks)  # more than one batch under dynamic_sampling
         batch = rollout.step_batch()
         tick = time.perf_counter()
         advantages = compute_advantages(self.args.estimator, batch, **self.args.estimator_options())
@@ -346,7 +346,8 @@ class HGPOTrainer(GRPOTrainer):
     def _log_iteration(self, mode: str, rollout: Rollout, batch: StepBatch, advantages: np.ndarray,
                        samples: SampleCounts, advantage_seconds: float) -> None:
         every = self.args.diagnostics_every
-        levels = hgpo_level_stats(batch, depth=self.args.depth) if self.args.estimator == "hgpo" else None
+        levels = hgpo_level_stats(batch, depth=self.args.depth, similarity_threshold=self.args.similarity_threshold) \
+            if self.args.estimator == "hgpo" else None
         if levels is not None and rollout.steps:
             self.last_level_stats = levels
         local = iteration_metrics(rollout, batch, advantages, samples, self.args, levels,

@@ -136,6 +136,28 @@ def test_balanced_steps_train_every_row_once_in_mini_batches_of_the_configured_s
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_decides_over_both_processes_which_play_as_many_batches(tmp_path, free_port):
+    """Process 0's groups all get equal rewards (dropped), process 1's differ (kept): each batch keeps 2 of the 4
+    groups of both processes, so both play 2 batches per iteration, in step, and keep what one process with all
+    four tasks would keep; the extra batch plays fresh tasks, distinct between the processes."""
+    ranks = launch("ddp", tmp_path, free_port, "dynamic=1")
+    assert [r["global_step"] for r in ranks] == [2, 2]
+    assert [len(r["played"]) for r in ranks] == [5, 5]  # 2 iterations x 2 batches, then the evaluation
+    for batch in range(4):
+        assert not set(ranks[0]["played"][batch]) & set(ranks[1]["played"][batch])
+    for rank in ranks:
+        assert rank["played"][0] != rank["played"][1] and rank["played"][2] != rank["played"][3]
+    logs = [[h for h in r["log_history"] if "dynamic/rollout_batches" in h] for r in ranks]
+    for log in logs[0]:
+        assert (log["dynamic/rollout_batches"], log["dynamic/groups_kept"], log["dynamic/groups_dropped"]) == (2, 4, 4)
+        assert log["steps/collected"] == 8  # process 1's 2 kept groups x 4 episodes x 1 step a batch, averaged over 2
+    counts = [[{k: v for k, v in h.items() if k.startswith(("dynamic/groups", "dynamic/rollout", "steps/"))}
+               for h in log] for log in logs]
+    assert counts[0] == counts[1] and len(counts[0]) == 2
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
+
+
+@pytest.mark.slow
 def test_one_process_whose_environments_all_fail_logs_the_same_keys_and_goes_on(tmp_path, free_port):
     """Process 1's episodes all fault in iteration 1 (no step collected there), process 0's are healthy: every
     process still gathers the same metric keys (a shorter vector hangs NCCL, and gloo raises) and the run ends."""

@@ -30,7 +30,7 @@ from hgpo_trl.rehearsal.projection import (
     verdict,
 )
 from hgpo_trl.rehearsal.rehearse import CPU_OPTIONS, passed, user_value, without_own_options
-from hgpo_trl.rehearsal.report import projected_prompt_tokens, trained_once
+from hgpo_trl.rehearsal.report import iteration_counters, projected_prompt_tokens, table, trained_once
 from hgpo_trl.rehearsal.shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,6 +223,19 @@ def test_the_projected_prompt_adds_the_history_the_rehearsal_did_not_reach():
     lengths = {"prompt": {"max": 900.0}, "prompt_mean_by_step": {"0": 600.0, "1": 700.0, "2": 800.0}}
     assert projected_prompt_tokens(lengths, history_length=4, max_prompt_tokens=4096) == 900 + 2 * 100
     assert projected_prompt_tokens(lengths, history_length=4, max_prompt_tokens=1000) == 1000
+
+
+def test_the_report_counts_dynamic_samplings_rollout_batches():
+    log = [{"iteration": 1, "loss": 0.1, "steps/collected": 12.0, "steps/optimizer_steps": 2.0,
+            "dynamic/rollout_batches": 3.0, "dynamic/groups_kept": 4.0, "dynamic/groups_dropped": 8.0}]
+    [row] = iteration_counters(log, processes=2)
+    assert row == {"iteration": 1, "collected": 24, "optimizer_steps": 2.0, "rollout_batches": 3.0, "groups_kept": 4.0,
+                   "groups_dropped": 8.0}
+    report = {"run": {"config": "c.yaml", "accelerate_config": None, "processes": 2, "machines": 1,
+                      "distribution": "DDP", "model": "m", "twin": "t"}, "launches": [], "iterations": [row],
+              "checks": {}}
+    assert "24 steps collected, ? trained" in table(report) and \
+        "3 rollout batches (4 groups kept, 8 dropped)" in table(report)
 
 
 def test_trained_once_reads_the_counters():

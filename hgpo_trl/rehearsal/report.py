@@ -15,8 +15,9 @@ from hgpo_trl.trajectories import read_records
 
 
 def iteration_counters(log_history: list[dict[str, Any]], processes: int) -> list[dict[str, Any]]:
-    """Per training iteration, over all processes: steps collected and trained, copies, optimizer steps and the
-    padding share (the logs hold means over processes, maxima for max_*)."""
+    """Per training iteration, over all processes: steps collected and trained, copies, optimizer steps, the
+    padding share and dynamic sampling's rollout batches and groups (the logs hold means over processes, maxima
+    for max_*)."""
     by_iteration: dict[int, dict[str, Any]] = {}
     for entry in log_history:
         if "iteration" not in entry or "loss" not in entry:
@@ -25,8 +26,9 @@ def iteration_counters(log_history: list[dict[str, Any]], processes: int) -> lis
         for name in ("steps/collected", "steps/duplicated", "steps/trained", "steps/trained_passes"):
             if name in entry:
                 row[name.split("/")[1]] = round(entry[name] * processes)
-        for name in ("steps/max_untrained", "steps/optimizer_steps", "steps/padded_fraction"):
-            if name in entry:
+        for name in ("steps/max_untrained", "steps/optimizer_steps", "steps/padded_fraction",
+                     "dynamic/rollout_batches", "dynamic/groups_kept", "dynamic/groups_dropped"):
+            if name in entry:  # (dynamic/*: totals over the processes already)
                 row[name.split("/")[1]] = entry[name]
     return [by_iteration[k] for k in sorted(by_iteration)]
 
@@ -98,7 +100,9 @@ def table(report: dict[str, Any]) -> str:
                      f"{row.get('collected', '?')} steps collected, {row.get('trained', '?')} trained "
                      f"({row.get('trained_passes', '?')} rows incl. {row.get('duplicated', 0)} copies), "
                      f"{row.get('optimizer_steps', 0):.0f} optimizer steps, padding "
-                     f"{100 * row.get('padded_fraction', 0):.0f} %"))
+                     f"{100 * row.get('padded_fraction', 0):.0f} %" + (
+                         f", {row['rollout_batches']:.0f} rollout batches ({row['groups_kept']:.0f} groups kept, "
+                         f"{row['groups_dropped']:.0f} dropped)" if "rollout_batches" in row else "")))
     checks = report["checks"]
     for name, ok in checks.items():
         rows.append((f"check: {name}", "n/a" if ok is None else "yes" if ok else "NO"))

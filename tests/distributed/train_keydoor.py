@@ -9,6 +9,9 @@ warmstart=STEPS: train.py's order: the config, then a supervised warm start of S
 each process also writes the checksums of the model before and after the warm start. model=folder: the tiny
 model saved to a folder and loaded by train.py's loader (hgpo_trl.cli.load_model), as a hub model is.
 
+dynamic=1: dynamic sampling (at most 3 rollout batches); episodes end after one step, every one paid 0 on
+process 0 (each of its groups is dropped) and 0 or 1 alternately on process 1 (each of its groups is kept).
+
 fault=envs: every environment of process 1 fails its first reset (iteration 1), process 0's are healthy.
 fault=nan: process 1's advantages are NaN in iteration 1; each process writes the error it stopped with.
 fault=nanloss: process 1's loss is infinite in the second optimizer step; each process writes the error and the
@@ -20,6 +23,7 @@ batching=all_steps also the advantages its estimator gave (each step its own val
 """
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -70,6 +74,21 @@ class EndsAtOnceOnRank1(KeyDoorEnv):
         return observation, reward, terminated or PartialState().process_index == 1, truncated, info
 
 
+class DroppedOnRank0KeptOnRank1(KeyDoorEnv):
+    """dynamic=1: one step per episode; process 0 pays every episode 0, process 1 its environments 0 and 1 in
+    turn (in-process, in the order they are built): process 0's groups all equal, process 1's all mixed."""
+
+    built = itertools.count()
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.slot = next(self.built)
+
+    def step(self, action):
+        observation, _, _, truncated, info = super().step(action)
+        return observation, float(PartialState().process_index == 1 and self.slot % 2), True, truncated, info
+
+
 def nan_on_rank1_first(batch, **options):
     advantages = compute_advantages("hgpo", batch, **options)
     ESTIMATED.append([])
@@ -111,10 +130,13 @@ def main(out: str, extra: list[str]) -> None:
                         balance_steps=options.get("balance") == "1")
         if options.get("uneven") == "1":
             batching["invalid_action"] = "noop"
+    if options.get("dynamic") == "1":
+        batching.update(dynamic_sampling=True, max_rollout_batches=3)
     if options.get("fault") == "nan":
         register_estimator("nan_on_rank1", nan_on_rank1_first)
         batching["estimator"] = "nan_on_rank1"
-    args = HGPOConfig(output_dir=os.path.join(out, "run"), per_device_train_batch_size=2 if batching else 8,
+    args = HGPOConfig(output_dir=os.path.join(out, "run"),
+                      per_device_train_batch_size=2 if "step_batching" in batching else 8,
                       num_generations=4, tasks_per_device=2, max_completion_length=4, max_env_steps=5,
                       action_mode="plain", learning_rate=1e-2, train_iterations=2,
                       logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
@@ -147,7 +169,8 @@ def main(out: str, extra: list[str]) -> None:
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4),
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=3),
                           env_factory=FirstResetFails if options.get("fault") == "envs" else
-                          EndsAtOnceOnRank1 if options.get("uneven") == "1" else None)
+                          EndsAtOnceOnRank1 if options.get("uneven") == "1" else
+                          DroppedOnRank0KeptOnRank1 if options.get("dynamic") == "1" else None)
     played = []
     original = trainer._play
 
