@@ -66,6 +66,7 @@ ESTIMATORS: dict[str, dict[str, Any]] = {
     "hgpo_k4": {"estimator": "hgpo", "hierarchy_depth": 4, "weighting": "power"},
     "hgpo_k2_inverse_mse": {"estimator": "hgpo", "hierarchy_depth": 2, "weighting": "inverse_mse"},
     "progpo": {"estimator": "progpo", "hierarchy_depth": 2},
+    "gigpo_dynamic": {"estimator": "gigpo", "dynamic_sampling": True},  # (not in the default set: --estimators)
 }
 # Set by this script for every run. logging_steps 1: one training log per iteration (more would average
 # iterations together); save_strategy no: runs are resumed whole, checkpoints would only cost time and disk.
@@ -118,7 +119,7 @@ def train_run(settings: dict[str, Any], name: str, seed: int, warm: dict[str, An
 
     env_args, args, model_args = parse(config_argv(settings, run_dir, seed, **ESTIMATORS[name]))
     model_args.model_name_or_path = warm["path"]  # load_model then reads the saved warm start
-    tick = time.time()
+    tick, cpu = time.time(), time.process_time()
     train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)
     eval_tasks = load_tasks(args, env_args, env_args.eval_split, env_args.num_eval_tasks)
     model, tokenizer = load_model(model_args, env_args, args, train_tasks)
@@ -140,8 +141,10 @@ def train_run(settings: dict[str, Any], name: str, seed: int, warm: dict[str, An
         # Optimizer steps per rollout iteration (1 in the quickstart), to put logs on the iteration axis.
         per_iteration = args.max_steps / args.train_iterations
         history = trainer.state.log_history
+        tasks = args.tasks_per_device * trainer.accelerator.num_processes
         train = [{"iteration": math.ceil(h["step"] / per_iteration - 1e-9), "success": h["env/success_rate"],
-                  "reward": h["env/episode_reward"], "invalid": h["env/invalid_rate"]}
+                  "reward": h["env/episode_reward"], "invalid": h["env/invalid_rate"],
+                  "groups": h.get("dynamic/groups_kept", tasks), "batches": h.get("dynamic/rollout_batches", 1)}
                  for h in history if "env/success_rate" in h]
         evals = [{"iteration": 0, "success": before["eval_success_rate"],
                   "reward": before["eval_episode_reward"]}]
@@ -159,6 +162,7 @@ def train_run(settings: dict[str, Any], name: str, seed: int, warm: dict[str, An
         "estimator": name, "seed": seed, "options": ESTIMATORS[name], "train": train, "eval": evals,
         "iterations": trained, "stopped_early": trainer.early_stop.reason,
         "eval_tasks": len(eval_tasks), "wall_seconds": round(time.time() - tick, 1),
+        "cpu_seconds": round(time.process_time() - cpu, 1), "groups_trained": sum(r["groups"] for r in train),
         "warmstart_sha256": checksum, "warmstart": warm["path"], "command": command,
         "config": {"env": dataclasses.asdict(env_args), "trainer": args.to_dict(),
                    "model": dataclasses.asdict(model_args)},
@@ -295,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default="configs/quickstart.yaml", help="train.py config to train")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, help="rollout iterations per run (default: the config's)")
-    parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=list(ESTIMATORS))
+    parser.add_argument("--estimators", nargs="+", default=[name for name in ESTIMATORS if name != "gigpo_dynamic"],
+                        choices=list(ESTIMATORS))
     parser.add_argument("--output_dir", default="outputs/learning")
     parser.add_argument("--target", type=float, default=0.9, help="validation success the table times")
     parser.add_argument("--resume", action="store_true",
