@@ -67,6 +67,17 @@ def test_console_metrics_prints_trls_dicts_and_an_invalid_run_says_so(tmp_path, 
     assert "warmstart_steps" in printed
 
 
+def test_a_model_loaded_from_a_folder_draws_no_bar_where_the_console_is_no_terminal(tmp_path, capfd, tiny_model,
+                                                                                   tiny_tokenizer):
+    from hgpo_trl.tiny import save_tiny
+
+    save_tiny(tiny_model, tiny_tokenizer, tmp_path / "model")
+    capfd.readouterr()  # (the save's own bar)
+    printed, _ = run(tmp_path, capfd, f"model_name_or_path: {tmp_path / 'model'}\ntrain_iterations: 1\n"
+                                      "warmstart_steps: 0\neval_strategy: 'no'\nsave_strategy: 'no'\n")
+    assert printed.count("[iter ") == 1 and "\r" not in printed and "Loading weights" not in printed, printed[:2000]
+
+
 @pytest.mark.parametrize("model", ["Qwen/Qwen2.5-0.5B-Instruct-not-cached", "hgpo-test/no-such-model"])
 def test_a_hub_id_that_is_not_in_the_offline_cache_is_one_line(tmp_path, capfd, model):
     with pytest.raises(SystemExit) as exit_info:
