@@ -207,6 +207,9 @@ class HGPOConfig(HGPOFields, GRPOConfig):
             ("estimator", self.estimator in ESTIMATORS, f"one of {sorted(ESTIMATORS)}"),
             ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
             ("alpha", self.alpha >= 0.0, ">= 0"),
+            ("similarity_threshold", self.similarity_threshold is None or (
+                not isinstance(self.similarity_threshold, bool) and 0.0 < self.similarity_threshold <= 1.0),
+             "None or in (0, 1] (1.0: exact grouping)"),
             ("weighting", self.weighting in WEIGHTINGS, f"one of {WEIGHTINGS}"),
             ("episode_stats", self.episode_stats in EPISODE_STATS, f"one of {EPISODE_STATS}"),
             ("std_ddof", not isinstance(self.std_ddof, bool) and self.std_ddof in DDOFS, f"one of {DDOFS}"),
@@ -336,11 +339,12 @@ class HGPOConfig(HGPOFields, GRPOConfig):
     def diagnostic_estimators(self) -> dict[str, dict[str, Any]]:
         """What `diagnostics_every` compares with the oracle: GRPO, GiGPO and HGPO at this config's depth."""
         episode = {"episode_stats": self.episode_stats, "std_ddof": self.std_ddof}
+        similar = {"similarity_threshold": self.similarity_threshold}
         return {"grpo": {"estimator": "grpo", **episode},
-                "gigpo": {"estimator": "gigpo", "omega": self.omega, **episode},
+                "gigpo": {"estimator": "gigpo", "omega": self.omega, **similar, **episode},
                 "hgpo": {"estimator": "hgpo", "depth": self.depth, "alpha": self.alpha,
                          "weighting": self.weighting, "base_group": self.base_group,
-                         "drop_zero_items": self.drop_zero_items, **episode}}
+                         "drop_zero_items": self.drop_zero_items, **similar, **episode}}
 
     def estimator_options(self) -> dict[str, Any]:
         """The keyword options of `estimator`, from this config's fields."""

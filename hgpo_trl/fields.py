@@ -34,7 +34,6 @@ class HGPOFields:
     train_iterations: int | None = field(
         default=None, metadata={"help": "Rollout iterations to train for; sets max_steps (optimizer steps) from it "
                                         "(under all_steps, an upper bound: iterations stop the run)."})
-
     dynamic_sampling: bool = field(
         default=False, metadata={"help": "Drop each task group whose num_generations episodes all got the same "
                                          "episode reward (its episode term is zero) and play more rollout batches "
@@ -129,6 +128,12 @@ class HGPOFields:
         default=False, metadata={"help": "HGPO: drop every item equal to 0 (all-equal groups, members at their "
                                          "group's mean), as released; default: keep them."})
     omega: float = field(default=1.0, metadata={"help": "GiGPO weight of the step (anchor-state) term."})
+    similarity_threshold: float | None = field(
+        default=None, metadata={"help": "GiGPO: anchor groups of similar observation text: a step joins the first "
+                                        "cluster of its task group whose first member has difflib ratio >= this "
+                                        "with it (released algorithm.gigpo.enable_similarity, similarity_thresh "
+                                        "0.95); 1.0: exact text; None: off, as released. HGPO (ours, not in the "
+                                        "paper): its levels compare these clusters."})
     episode_stats: str = field(
         default="trajectories", metadata={"help": "Episode term of GRPO/GiGPO and HGPO's base item: one score per "
                                                   "'trajectories', or per step row over all rows of the task group "
@@ -207,6 +212,6 @@ ESTIMATOR_FIELDS = {
     "gamma": "gamma", "hierarchy_depth": "depth", "alpha": "alpha", "advantage_norm": "norm",
     "weighting": "weighting", "base_group": "base_group", "drop_zero_items": "drop_zero_items", "omega": "omega",
     "episode_stats": "episode_stats", "std_ddof": "std_ddof", "invalid_penalty": "invalid_penalty",
-    "progpo_lambda": "lam",
+    "progpo_lambda": "lam", "similarity_threshold": "similarity_threshold",
 }
 """HGPOConfig's advantage fields and the estimator option each becomes."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from difflib import SequenceMatcher
 
 
 def rows_of(batch) -> list[dict]:
@@ -88,12 +89,45 @@ def grpo(batch, norm="mean_std_norm", episode_stats="trajectories", std_ddof=0, 
     return [adv[unit[i]] for i in range(len(batch.group))]
 
 
+def released_similarity_groups(group, obs, threshold):
+    """Released GiGPO's similarity grouping (gigpo/core_gigpo.py: build_step_group with enable_similarity, and
+    are_similar), rewritten from reading it: rows in the order given; within its task group a row joins the first
+    cluster whose representative (first member) has SequenceMatcher(None, obs, representative).ratio() >=
+    threshold, else starts a new one. (The release also asserts 0 < threshold < 1.) One label per row:
+    (group, cluster number)."""
+    representatives = {}
+    labels = []
+    for g, text in zip(group, obs, strict=True):
+        if not isinstance(text, str):
+            raise ValueError("Only text-based observations are supported for similarity-based GiGPO")
+        clusters = representatives.setdefault(g, [])
+        for c, representative in enumerate(clusters):
+            if SequenceMatcher(None, text, representative).ratio() >= threshold:
+                labels.append((g, c))
+                break
+        else:
+            clusters.append(text)
+            labels.append((g, len(clusters) - 1))
+    return labels
+
+
+def anchor_keys(rows, similarity_threshold):
+    """Row index -> anchor-group key: (group, obs), or the released similarity cluster with rows taken in
+    (traj, step) order (the release's batch order when rows come in rollout order)."""
+    if similarity_threshold is None:
+        return {r["i"]: (r["group"], r["obs"]) for r in rows}
+    ordered = sorted(rows, key=lambda r: (r["traj"], r["step"]))
+    labels = released_similarity_groups([r["group"] for r in ordered], [r["obs"] for r in ordered],
+                                        similarity_threshold)
+    return {r["i"]: label for r, label in zip(ordered, labels, strict=True)}
+
+
 def gigpo(batch, gamma=0.95, omega=1.0, norm="mean_std_norm", episode_stats="trajectories", std_ddof=0,
-          invalid_penalty=0.1):
+          invalid_penalty=0.1, similarity_threshold=None):
     rows = rows_of(batch)
     episode = grpo(batch, norm, episode_stats, std_ddof, invalid_penalty)
     ret = returns(rows, gamma, invalid_penalty)
-    step = normalize_groups({r["i"]: (r["group"], r["obs"]) for r in rows}, ret, norm, std_ddof)
+    step = normalize_groups(anchor_keys(rows, similarity_threshold), ret, norm, std_ddof)
     return [episode[r["i"]] + omega * step[r["i"]] for r in rows]
 
 

@@ -73,6 +73,8 @@ ROWS = [
     ("history-length", "history_length: -1\n", [], None, r"HGPOConfig\.history_length", r"must be an integer >= 0"),
     ("hierarchy-depth", "hierarchy_depth: -1\n", [], None, r"HGPOConfig\.hierarchy_depth", r"must be None or >= 0"),
     ("alpha", "alpha: -0.5\n", [], None, r"HGPOConfig\.alpha", r"must be >= 0, got -0\.5"),
+    ("similarity-threshold", "estimator: gigpo\nsimilarity_threshold: 1.5\n", [], None,
+     r"HGPOConfig\.similarity_threshold", r"must be None or in \(0, 1\] \(1\.0: exact grouping\), got 1\.5"),
     ("temperature-0", "temperature: 0\n", [], None, r"HGPOConfig\.temperature", r"must be > 0 for training rollouts"),
     ("eval-temperature", "eval_temperature: -0.1\n", [], None, r"HGPOConfig\.eval_temperature", r"must be >= 0"),
     ("num-generations", "num_generations: 1\n", [], None, r"HGPOConfig\.num_generations", r"an integer >= 2"),

@@ -57,13 +57,17 @@ DEFAULTS = """
     actor_rollout_ref.actor.optim.weight_decay=0.01  actor_rollout_ref.actor.optim.warmup_style=constant
     actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0  actor_rollout_ref.rollout.temperature=1.0
     actor_rollout_ref.actor.optim.lr=1e-6  compute_mean_std_cross_steps=True  adjust_batch.mode=copy
-    algorithm.gigpo.mode=mean_norm  trainer.balance_batch=True"""
+    algorithm.gigpo.mode=mean_norm  trainer.balance_batch=True  algorithm.gigpo.enable_similarity=False
+    algorithm.gigpo.similarity_thresh=0.95"""
 
 # Released flag -> (our field, the value it means). `None` as a field: checked by the function named instead.
 MAPPING = {
     "actor_rollout_ref.model.path": lambda v: {"model_name_or_path": v},
     "algorithm.hgpo.mode": lambda v: {"hgpo_norm": v},
     "algorithm.gigpo.mode": lambda v: {"gigpo_norm": v},
+    # Similarity-based anchor groups: off in every script (similarity_threshold None); the threshold counts only when on.
+    "algorithm.gigpo.enable_similarity": lambda v: {"similarity_threshold": {"False": None}[v]},
+    "algorithm.gigpo.similarity_thresh": lambda v: {},
     "actor_rollout_ref.actor.ppo_mini_batch_size": lambda v: {"mini_batch_size": int(v)},
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": lambda v: {"per_device_train_batch_size": int(v)},
     "trainer.save_freq": lambda v: {"save_every_iterations": int(v)},

@@ -16,6 +16,7 @@ from hgpo_trl.advantages.batch import SortedSteps, StepBatch, sort_steps
 from hgpo_trl.advantages.groups import Groups, check_ddof, check_norm
 from hgpo_trl.advantages.grpo import check_episode_stats, episode_groups
 from hgpo_trl.advantages.returns import sorted_returns
+from hgpo_trl.advantages.similarity import check_similarity_threshold, similar_observations
 
 WEIGHTINGS = ("power", "inverse_mse")
 # inverse_mse floors each group's return variance at this share of its task group's pooled variance, so a
@@ -45,6 +46,13 @@ def history_levels(steps: SortedSteps, obs: np.ndarray, depth: int) -> list[Grou
     return Groups.nested(columns, members)
 
 
+def anchor_codes(steps: SortedSteps, batch: StepBatch, similarity_threshold: float | None) -> np.ndarray:
+    """What the levels compare observations by: their exact codes, or their similarity clusters."""
+    if similarity_threshold is None:
+        return steps.obs
+    return similar_observations(steps, batch.obs, similarity_threshold)
+
+
 def check_level_args(depth: int, alpha: float, norm: str, weighting: str) -> None:
     check_norm(norm)
     if isinstance(depth, bool) or not isinstance(depth, int | np.integer) or depth < 0:
@@ -58,7 +66,7 @@ def check_level_args(depth: int, alpha: float, norm: str, weighting: str) -> Non
 def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, alpha: float = 1.0,
                     norm: str = "mean_std_norm", weighting: str = "power", base_group: bool = False,
                     drop_zero_items: bool = False, episode_stats: str = "trajectories", std_ddof: int = 0,
-                    invalid_penalty: float = 0.1) -> np.ndarray:
+                    invalid_penalty: float = 0.1, similarity_threshold: float | None = None) -> np.ndarray:
     """HGPO advantages: `A = sum_k w_k a_k / sum_k w_k` over the levels k = 0..K where the step has a peer.
 
     Args:
@@ -75,6 +83,9 @@ def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, al
             it would fall back on the biased shallow levels.
         episode_stats, std_ddof: how the base item is computed, as in `grpo_advantages` (released:
             "steps" and 1). The levels always use the population std (ddof 0), as released.
+        similarity_threshold: (ours, not in the paper or the release) key the levels on clusters of similar
+            observation text instead of exact text: GiGPO's `similarity_threshold` clusters (`similarity.py`),
+            so level k groups steps whose last k+1 observations fall in the same clusters. 1.0: exact.
 
     A level whose group is a singleton does not contribute; a group whose returns are all equal contributes an
     exact 0; a step with no contributing item gets 0. Weights are computed relative to each step's deepest
@@ -83,9 +94,10 @@ def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, al
     check_level_args(depth, alpha, norm, weighting)
     check_episode_stats(episode_stats)
     check_ddof(std_ddof)
+    check_similarity_threshold(similarity_threshold)
     steps = sort_steps(batch)
     returns = sorted_returns(steps, gamma, invalid_penalty)
-    levels = Groups.stack(history_levels(steps, steps.obs, depth))
+    levels = Groups.stack(history_levels(steps, anchor_codes(steps, batch, similarity_threshold), depth))
     per_level = (depth + 1, len(steps))
     stacked_returns = np.tile(returns, depth + 1)
     items = levels.normalize(stacked_returns, norm).reshape(per_level)
@@ -147,13 +159,14 @@ class LevelStats:
     group_sizes: np.ndarray
 
 
-def hgpo_level_stats(batch: StepBatch, depth: int = 2) -> list[LevelStats]:
+def hgpo_level_stats(batch: StepBatch, depth: int = 2, similarity_threshold: float | None = None) -> list[LevelStats]:
     """Per level k = 0..K: how many steps had peers and the group-size histogram (for logging)."""
     check_level_args(depth, 0.0, "mean_norm", "power")
+    check_similarity_threshold(similarity_threshold)
     steps = sort_steps(batch)
     return [LevelStats(level=k, eligible=int(level.order.size), with_peers=int((level.size() >= 2).sum()),
                        group_sizes=np.bincount(level.sizes, minlength=2))
-            for k, level in enumerate(history_levels(steps, steps.obs, depth))]
+            for k, level in enumerate(history_levels(steps, anchor_codes(steps, batch, similarity_threshold), depth))]
 
 
 def hgpo_peer_levels(batch: StepBatch, depth: int = 2) -> np.ndarray:
