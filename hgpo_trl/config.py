@@ -77,8 +77,10 @@ class HGPOConfig(HGPOFields, GRPOConfig):
                        "launch with accelerate launch or torchrun")
                 raise ValueError(f"HGPOConfig: the launcher started {processes} processes (WORLD_SIZE) but the "
                                  f"Trainer sees {self.world_size}: {fix}")
-            # An upper bound (the busiest process plays every episode to max_env_steps); the iterations stop the run.
-            micro_batches = math.ceil(self.tasks_per_device * self.num_generations * self.max_env_steps
+            # An upper bound (the busiest process keeps every group it may play, each episode to max_env_steps);
+            # the iterations stop the run.
+            groups = self.tasks_per_device * (self.max_rollout_batches if self.dynamic_sampling else 1)
+            micro_batches = math.ceil(groups * self.num_generations * self.max_env_steps
                                       / self.per_device_train_batch_size)
             windows = math.ceil(micro_batches / self.gradient_accumulation_steps)
             self.max_steps = self.train_iterations * self.num_iterations * windows

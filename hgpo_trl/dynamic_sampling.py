@@ -57,10 +57,11 @@ def merged(rollouts: Sequence[Rollout], tasks: Sequence[Sequence[Mapping[str, An
 
 
 def play_filtered(play: Callable[[list], Rollout], first_tasks: list, extra_tasks: Callable[[], list],
-                  target_groups: int, max_batches: int, accelerator) -> tuple[Rollout, list, dict[str, float]]:
+                  target_groups: int, max_batches: int, accelerator) -> tuple[Rollout, list, list, dict[str, float]]:
     """Play `first_tasks`, then batches of `extra_tasks()` while the kept groups of every process together are
     fewer than `target_groups`, at most `max_batches` batches, dropping the equal-reward groups of every batch but
-    the last; (the kept groups as one rollout, their tasks in group order, the dynamic/* metrics)."""
+    the last; (the kept groups as one rollout, their tasks in group order, every episode played, the dynamic/*
+    metrics)."""
     kept: list[Rollout] = []
     kept_tasks: list[list] = []
     played: list[Rollout] = []
@@ -83,24 +84,24 @@ def play_filtered(play: Callable[[list], Rollout], first_tasks: list, extra_task
     rollout, tasks = merged(kept, kept_tasks)
     episodes = [e for r in played for e in r.episodes]
     won, count = elementwise_process_sum(accelerator, [sum(e.won for e in episodes), len(episodes)])
-    return rollout, tasks, {"dynamic/rollout_batches": float(len(played)), "dynamic/groups_kept": kept_total,
+    return rollout, tasks, episodes, {"dynamic/rollout_batches": float(len(played)), "dynamic/groups_kept": kept_total,
                             "dynamic/groups_dropped": dropped_total, "dynamic/played_success_rate": won / max(count, 1),
                             "time/extra_rollouts": time.perf_counter() - start - first_seconds}
 
 
 def play_training_batches(trainer, tasks: list) -> tuple[Rollout, list]:
-    """An iteration's training rollout of `tasks` (a broken environment stops the run): one batch, or under
-    `dynamic_sampling` the kept groups of as many as `play_filtered` plays (their metrics logged), with the kept
-    groups' tasks in group order."""
+    """An iteration's training rollout of `tasks`: one batch, or under `dynamic_sampling` the kept groups of as
+    many as `play_filtered` plays (their metrics logged), with the kept groups' tasks in group order. A broken
+    environment stops the run: the fault streak counts iterations, over every episode the iteration played."""
     args, accelerator = trainer.args, trainer.accelerator
 
     def play(batch_tasks: list) -> Rollout:
-        rollout = trainer._play(batch_tasks, trainer.num_generations, trainer.temperature)
-        trainer._faults.stop_if_broken(trainer, rollout)
-        return rollout
+        return trainer._play(batch_tasks, trainer.num_generations, trainer.temperature)
 
     if not args.dynamic_sampling:
-        return play(tasks), tasks
+        rollout = play(tasks)
+        trainer._faults.stop_if_broken(trainer, rollout)
+        return rollout, tasks
 
     def extra_tasks() -> list:
         batch, trainer._iterations.extra_batches = trainer._iterations.extra_batches, trainer._iterations.extra_batches + 1
@@ -109,7 +110,9 @@ def play_training_batches(trainer, tasks: list) -> tuple[Rollout, list]:
         indices = trainer._task_sampler.extra_tasks(batch, accelerator.process_index, accelerator.num_processes)
         return [trainer.train_dataset[i] for i in indices]
 
-    rollout, kept_tasks, metrics = play_filtered(play, tasks, extra_tasks, args.tasks_per_device
-                                                 * accelerator.num_processes, args.max_rollout_batches, accelerator)
+    rollout, kept_tasks, episodes, metrics = play_filtered(
+        play, tasks, extra_tasks, args.tasks_per_device * accelerator.num_processes, args.max_rollout_batches,
+        accelerator)
+    trainer._faults.stop_if_broken(trainer, dataclasses.replace(rollout, episodes=episodes))
     trainer._log_gathered("train", metrics)
     return rollout, kept_tasks

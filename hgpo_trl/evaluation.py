@@ -94,13 +94,14 @@ def play_split(envs, tasks: Sequence[Mapping[str, Any]], player: Policy | Script
          dump: Path | None, args: HGPOConfig) -> list[Episode]:
     """hgpo-eval's play of one split: every task once, len(envs) at a time; the episodes in task order. A progress
     bar counts the turns played: a chunk's games play in lock-step and tend to end together, so a count of games
-    would stand still and then jump, and its rate and ETA would mean nothing. Its total is `max_steps` a chunk,
-    lowered by the turns a chunk did not need when it ends; the games done and the success so far follow it.
+    would stand still and then jump, and its rate and ETA would mean nothing. Its total is `max_steps` a chunk (a
+    chunk that ends sooner jumps by the turns it did not need: a notebook's widget bar keeps its first total);
+    the games done and the success so far follow it.
     `dump` receives the trajectories (hgpo_trl.trajectories reads them)."""
     chunks = math.ceil(len(tasks) / len(envs))
     with progress_bar(total=chunks * settings.max_steps, desc=description, unit="turn", disabled=quiet,
                       dynamic_ncols=True) as bar:
-        played = ended = wins = 0  # turns of the chunks played; games ended and won
+        played = ended = wins = 0  # turns of the chunks played (max_steps each); games ended and won
 
         def on_turn(turn: int, live: int) -> None:  # (called as turn `turn` of the chunk starts)
             bar.update(played + turn - bar.n)
@@ -114,8 +115,7 @@ def play_split(envs, tasks: Sequence[Mapping[str, Any]], player: Policy | Script
             nonlocal played
             rollout = run_rollout(envs, chunk, 1, player, settings, on_turn=on_turn, on_episode_end=on_episode_end,
                                   count_tokens=count_tokens, scripted=scripted)
-            played += rollout.turns
-            bar.total -= settings.max_steps - rollout.turns
+            played += settings.max_steps
             bar.update(played - bar.n)
             return rollout
 

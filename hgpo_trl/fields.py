@@ -36,7 +36,8 @@ class HGPOFields:
                                         "(under all_steps, an upper bound: iterations stop the run)."})
     dynamic_sampling: bool = field(
         default=False, metadata={"help": "Drop each task group whose num_generations episodes all got the same "
-                                         "episode reward (its episode term is zero) and play more rollout batches "
+                                         "environment reward (before the invalid-action penalty, as released: "
+                                         "no outcome to compare) and play more rollout batches "
                                          "until the kept groups fill the iteration's tasks over all processes, at "
                                          "most max_rollout_batches, the last one kept unfiltered: released "
                                          "algorithm.filter_groups (DAPO's dynamic sampling), for every estimator. "

@@ -76,9 +76,10 @@ class TaskSampler(Sampler[int]):
 
     def extra_tasks(self, batch: int, rank: int, num_processes: int) -> list[int]:
         """The task indices process `rank` plays in the run's (0-based) `batch`-th extra rollout batch of dynamic
-        sampling: the iterations' sequence drawn with another seed, so extra batches do not replay their order."""
+        sampling: the iterations' sequence drawn with another seed and always shuffled (an unshuffled stream would
+        replay the iterations' order: extra batch b, iteration b's tasks)."""
         extra = copy.copy(self)
-        extra.seed = self.seed + EXTRA_STREAM_SEED
+        extra.seed, extra.shuffle = self.seed + EXTRA_STREAM_SEED, True
         return extra.iteration_tasks(batch, rank, num_processes)
 
     def __len__(self) -> int:

@@ -34,12 +34,39 @@ class OneStepScores(KeyDoorEnv):
         return observation, float(self.kind == "mixed" and self.slot % 2), True, truncated, info
 
 
+class FullLengthScores(OneStepScores):
+    """Episodes run to max_env_steps (every step a no-op), each step paid as OneStepScores pays; a 'flip' task
+    pays like 'same' on an environment's first reset and like 'mixed' after it."""
+
+    resets = 0
+
+    def reset(self, task):
+        self.resets += 1
+        return super().reset(task)
+
+    def step(self, action):
+        observation, _, _, truncated, info = KeyDoorEnv.step(self, None)
+        mixed = self.kind == "mixed" or (self.kind == "flip" and self.resets > 1)
+        return observation, float(mixed and self.slot % 2), False, truncated, info
+
+
+class FirstResetsFail(OneStepScores):
+    """The first 12 resets in this process fail (an outage during iteration 1 of 4 environments x 3 batches)."""
+
+    failed = itertools.count()
+
+    def reset(self, task):
+        if next(self.failed) < 12:
+            raise RuntimeError("injected: the environment is down")
+        return super().reset(task)
+
+
 def tasks_of(kinds):
     rows = list(make_tasks("keydoor", "train", num_tasks=len(kinds)))
     return Dataset.from_list([{**row, "kind": kind} for row, kind in zip(rows, kinds, strict=True)])
 
 
-def run(tmp_path, tiny_model, tiny_tokenizer, kinds, **overrides):
+def run(tmp_path, tiny_model, tiny_tokenizer, kinds, env=OneStepScores, **overrides):
     """A run of dynamic sampling on `kinds` of tasks; (its trainer, the task ids each rollout batch played)."""
     settings = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
                     tasks_per_device=2, max_completion_length=4, max_env_steps=3, action_mode="plain",
@@ -48,7 +75,7 @@ def run(tmp_path, tiny_model, tiny_tokenizer, kinds, **overrides):
                     env_workers=0)
     settings.update(overrides)
     trainer = HGPOTrainer(model=tiny_model, args=HGPOConfig(**settings), processing_class=tiny_tokenizer,
-                          train_dataset=tasks_of(kinds), env_factory=OneStepScores)
+                          train_dataset=tasks_of(kinds), env_factory=env)
     played = []
     play = trainer._play
 
@@ -109,6 +136,39 @@ def test_extra_batches_play_fresh_tasks_and_a_resumed_run_plays_what_the_run_it_
                             save_every_iterations=2)
     resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "out" / "checkpoint-2"))
     assert replayed == played[6:]  # iterations 3 and 4, their extra batches included
+
+
+def test_all_steps_trains_every_iteration_when_a_process_keeps_more_groups_than_it_plays_at_once(
+        tmp_path, tiny_model, tiny_tokenizer):
+    """Batch 1 keeps the 'mixed' group, batch 2 (the same tasks again) both: 3 groups of full-length episodes on
+    a process that plays 2 at once. max_steps, all_steps' bound on optimizer steps, must cover them, or the run
+    stops inside iteration 2 without a word."""
+    trainer, _ = run(tmp_path, tiny_model, tiny_tokenizer, ["flip", "mixed"], env=FullLengthScores,
+                     dynamic_sampling_tasks="replay", step_batching="all_steps")
+    trainer.train()
+    assert trainer.completed_iterations == 2
+    first = iteration_logs(trainer)[0]
+    assert (first["dynamic/rollout_batches"], first["dynamic/groups_kept"], first["steps/collected"]) == (2, 3, 18)
+
+
+def test_an_outage_inside_one_iteration_counts_once_towards_max_faulty_iterations(tmp_path, tiny_model,
+                                                                                  tiny_tokenizer):
+    """Iteration 1's 3 batches all fault (their groups drop, more batches follow): one faulty iteration of the 3
+    in a row that stop a run, not 3."""
+    trainer, played = run(tmp_path, tiny_model, tiny_tokenizer, ["mixed"] * 4, env=FirstResetsFail,
+                          train_iterations=3, max_faulty_iterations=3)
+    trainer.train()
+    assert trainer.completed_iterations == 3 and len(played) == 3 + 1 + 1
+    assert [log["env/faults"] for log in iteration_logs(trainer)] == [4, 0, 0]  # the kept last batch's 4 episodes
+
+
+def test_fresh_tasks_are_not_the_iterations_order_when_the_dataset_is_not_shuffled(tmp_path, tiny_model,
+                                                                                   tiny_tokenizer):
+    trainer, played = run(tmp_path, tiny_model, tiny_tokenizer, ["same"] * 6, shuffle_dataset=False,
+                          train_iterations=1)
+    trainer.train()
+    first_rows = [int(row["task_id"]) for row in tasks_of(["same"] * 6)][:2]  # (unshuffled: the dataset's order)
+    assert played[0] == first_rows and played[1] != played[0] and len(played) == 3
 
 
 def test_dynamic_sampling_settings_are_checked():
