@@ -23,7 +23,7 @@ from trl import ModelConfig
 
 from hgpo_trl.envs.registry import registered_envs
 from hgpo_trl.export import ADAPTER_CONFIG
-from hgpo_trl.parser import ConfigError, SectionParser, with_full_help
+from hgpo_trl.parser import HELP_ALL, ConfigError, SectionParser, with_full_help
 
 if TYPE_CHECKING:
     from hgpo_trl.config import HGPOConfig
@@ -123,6 +123,12 @@ class EvalArguments:
                                         "evaluation-N is used, and said."})
 
 
+# Each command's own sections (its options, the environment's), which its --help lists before HGPOConfig's and the
+# model's: one home for the entry point's --help and the command's main.
+TRAIN_SECTIONS = (RehearsalArguments, EnvArguments)
+EVAL_SECTIONS = (EvalArguments, EnvArguments)
+
+
 def flag_value(text: str) -> bool | None:
     """A boolean option's value as the parser reads it (yes/no, true/false, t/f, y/n, 1/0); None: not one."""
     return {"yes": True, "true": True, "t": True, "y": True, "1": True,
@@ -159,6 +165,15 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
         *parsed, env_args, args, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from None
+    check_sections(env_args, args)
+    warn_unread_options(args.estimator, user_keys(argv, config), argv)
+    return *parsed, env_args, args, model_args
+
+
+def check_sections(env_args: EnvArguments, args: HGPOConfig) -> None:
+    """What parsing leaves unchecked, for a command line and for `evaluate_model`'s HGPOConfig alike: task_kwargs
+    given as text read as a mapping (in place), the counts, the data folders, and a registered env_name (after
+    env_modules are imported: they register theirs)."""
     if isinstance(env_args.task_kwargs, str):
         env_args.task_kwargs = parse_mapping(env_args.task_kwargs, "EnvArguments.task_kwargs")
     for name in ("num_train_tasks", "num_eval_tasks", "warmstart_batch_size"):
@@ -173,8 +188,6 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
     if args.env_name not in registered_envs():
         raise ConfigError(f"HGPOConfig.env_name: unknown environment {args.env_name!r}{did_you_mean(args.env_name, registered_envs())}; "
                           f"registered: {registered_envs()}")
-    warn_unread_options(args.estimator, user_keys(argv, config), argv)
-    return *parsed, env_args, args, model_args
 
 
 def parse_mapping(text: str, name: str) -> dict[str, Any]:
@@ -283,7 +296,7 @@ def check_known(names: list[str], known: set[str], where: str, prog: str) -> Non
     if unknown:
         named = [f"{name} (did you mean {close[0]}?)" if (close := _closest(name, known)) else name for name in unknown]
         raise ConfigError(f"Unknown arguments from {where}: {', '.join(named)}; every key must be a field "
-                          f"(python {prog} --help lists them)")
+                          f"(python {prog} {HELP_ALL} lists them)")
 
 
 def _closest(name: str, known: set[str]) -> list[str]:

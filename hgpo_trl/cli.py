@@ -1,7 +1,7 @@
 """`train.py` / `hgpo-train`: YAML + command-line configuration (TRL's `TrlParser`) into a training run.
 
     accelerate launch train.py --config configs/quickstart.yaml [--learning_rate 1e-3 ...]
-    python train.py --help        # every field with its help text
+    python train.py --help        # our fields with their help text (--help-all: TRL's and Transformers' too)
 
 Three sections, all top-level keys of the YAML: `EnvArguments` (below), `HGPOConfig` (the trainer) and TRL's
 `ModelConfig` (model path, dtype, LoRA). `model_name_or_path: tiny` builds the offline tiny model and tokenizer.
@@ -20,9 +20,9 @@ from trl import ModelConfig, get_peft_config
 
 from hgpo_trl.arguments import (
     TINY,
+    TRAIN_SECTIONS,
     ConfigError,
     EnvArguments,
-    RehearsalArguments,
     entry_point_scope,
     flag_value,
     parse,
@@ -166,7 +166,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if answered_help(argv, (RehearsalArguments, EnvArguments), "train.py"):
+    if answered_help(argv, TRAIN_SECTIONS, "train.py"):
         return
     if wants_rehearsal(argv):
         rehearse_main(argv)

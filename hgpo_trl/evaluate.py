@@ -36,14 +36,18 @@ import yaml
 from trl import ModelConfig
 
 from hgpo_trl.arguments import (
+    EVAL_SECTIONS,
     TINY,
     ConfigError,
     EnvArguments,
     EvalArguments,
     check_model_path,
+    check_sections,
     did_you_mean,
     entry_point_scope,
+    import_env_modules,
     parse_sections,
+    requested_env_modules,
 )
 from hgpo_trl.cli import check_environment, load_tasks
 from hgpo_trl.config import HGPOConfig
@@ -238,9 +242,10 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
     the config's. `config`: a train.py YAML file, an `HGPOConfig` (as given to `HGPOTrainer`), or None (the
     defaults). `options`: any field of the command line (`seeds`, `splits`, `greedy`, `policy`, `num_envs`,
     `episodes_per_seed`, `eval_output_dir`; `task_kwargs`, `num_eval_tasks`, ...); with a YAML file any train.py
-    field too, overriding it (an `HGPOConfig`'s own fields are set on it); a None value keeps the config's.
-    Bad input raises `ConfigError` (a `ValueError`) with the line the command line would print; nothing is
-    loaded or played before the checks pass. A model in memory keeps its training mode.
+    field too, overriding it; with an `HGPOConfig`, none of its own fields (set them on it: given here they are
+    refused); a None value keeps the config's. Bad input raises `ConfigError` (a `ValueError`) with the line the
+    command line would print; nothing is loaded or played before the checks pass. A model in memory keeps its
+    training mode.
     """
     in_memory = model_or_path is not None and not isinstance(model_or_path, str | os.PathLike)
     if in_memory and tokenizer is None:
@@ -256,12 +261,7 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
     check_options(options, (EvalArguments, EnvArguments, ModelConfig, *(() if object_config else (HGPOConfig,))))
     with entry_point_scope():
         if object_config:
-            sections = {s: s(**{k: v for k, v in options.items() if k in field_names(s)})
-                        for s in (EvalArguments, EnvArguments, ModelConfig)}
-            if name is not None:
-                sections[ModelConfig].model_name_or_path = name
-            evaluation = checked(sections[EvalArguments], sections[EnvArguments], config, sections[ModelConfig],
-                                 model_in_memory=in_memory)
+            evaluation = prepare_with_config(config, options, name, in_memory)
         else:
             argv = [*(["--config", str(config)] if config is not None else []),
                     *(["--model_name_or_path", name] if name is not None else []), *command_line(options)]
@@ -276,13 +276,35 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
     return EvaluationResult(report, evaluation.output_dir)
 
 
+def prepare_with_config(args: HGPOConfig, options: dict[str, Any], name: str | None, in_memory: bool) -> Evaluation:
+    """evaluate_model's HGPOConfig path: `options` into the other sections, checked as the command line's are
+    (its env_modules imported first, as the parser imports them)."""
+    import_env_modules(requested_env_modules([], options))
+    sections = {s: s(**{k: v for k, v in options.items() if k in field_names(s)})
+                for s in (EvalArguments, EnvArguments, ModelConfig)}
+    if name is not None:
+        sections[ModelConfig].model_name_or_path = name
+    check_sections(sections[EnvArguments], args)
+    return checked(sections[EvalArguments], sections[EnvArguments], args, sections[ModelConfig],
+                   model_in_memory=in_memory)
+
+
 def command_line(options: dict[str, Any]) -> list[str]:
-    """`options` as command-line arguments: a list as its items, a mapping as JSON, a bool as true / false."""
+    """`options` as command-line arguments: a list as its items, each written as a single value is."""
     argv = []
     for name, value in options.items():
-        items = value if isinstance(value, list | tuple) else [json.dumps(value) if isinstance(value, dict) else value]
-        argv += [f"--{name}", *(str(v).lower() if isinstance(v, bool) else str(v) for v in items)]
+        items = list(value) if isinstance(value, list | tuple) else [value]
+        if any(item is None for item in items):  # the command line has no word for None
+            raise ConfigError(f"evaluate_model: {name}: a list cannot hold None, got {value!r}")
+        argv += [f"--{name}", *map(argument, items)]
     return argv
+
+
+def argument(value: Any) -> str:
+    """One value as the command line takes it: a mapping as JSON, a bool as true / false."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def field_names(section: type) -> set[str]:
@@ -299,7 +321,7 @@ def check_options(options: dict[str, Any], sections: tuple[type, ...]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if answered_help(argv, (EvalArguments, EnvArguments), "evaluate.py"):
+    if answered_help(argv, EVAL_SECTIONS, "evaluate.py"):
         return
     with entry_point_scope():
         try:

@@ -49,7 +49,7 @@ class SectionParser(TrlParser):
 
     def error(self, message: str):
         """argparse would print the whole usage and exit: raise the one line instead."""
-        raise ConfigError(f"{message} (python {self.prog} --help lists every field)")
+        raise ConfigError(f"{message} (python {self.prog} {HELP_ALL} lists every field)")
 
 
 def help_group(section: type, name: str) -> str:

@@ -47,7 +47,7 @@ disable_tqdm: true
 
 
 BAD = [
-    ("learning_rat: 0.1\n", "Unknown arguments from config file.*learning_rat"),
+    ("learning_rat: 0.1\n", r"Unknown arguments from config file.*learning_rat.*python train\.py --help-all lists them"),
     ("learning_rate: [1, 2]\n", r"learning_rate must be float, int, got \[1, 2\]"),
     ("tasks_per_device: 0\n", "HGPOConfig.tasks_per_device must be an integer >= 1"),
     ("estimator: ppo\n", "HGPOConfig.estimator must be one of"),
@@ -69,7 +69,7 @@ def test_bad_configs_name_the_field(tmp_path, text, message):
 def test_command_line_overrides_the_yaml_and_types_are_checked(tmp_path):
     _, args, _ = parse(["--config", write(tmp_path, "learning_rate: 0.1\n"), "--learning_rate", "0.5"])
     assert args.learning_rate == 0.5
-    with pytest.raises(ConfigError, match="argument --learning_rate.*: invalid float value: 'fast'"):
+    with pytest.raises(ConfigError, match=r"--learning_rate.*: invalid float value: 'fast' \(python train\.py --help-all"):
         parse(["--config", write(tmp_path, ""), "--learning_rate", "fast"])
 
 

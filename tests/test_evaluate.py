@@ -15,10 +15,11 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hgpo_trl import evaluate, players
+from hgpo_trl import entry_points, evaluate, players
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.envs.alfworld import TASK_TYPES
 from hgpo_trl.tiny import build_tiny_model, save_tiny
+from tests.test_cli import sections_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("ALFWORLD_DATA") or ROOT.parent / "shared" / "data" / "alfworld")
@@ -353,6 +354,7 @@ def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_
     yaml_file = config(tmp_path, KEYDOOR)
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2)
     args = HGPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
+    misspelt = HGPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none", env_name="keydor")
     for call, message in [
         (lambda: evaluate_model(model, yaml_file), r"^evaluate_model: a model in memory needs its tokenizer"),
         (lambda: evaluate_model("tiny", yaml_file, greedyy=True), r"unknown option 'greedyy' \(did you mean 'greedy'\?\)"),
@@ -361,7 +363,38 @@ def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_
         (lambda: evaluate_model(str(tmp_path), yaml_file), r"holds no model \(config\.json\)"),
         (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, max_env_steps=3),
          r"max_env_steps: set HGPOConfig fields on the HGPOConfig given as config"),
+        (lambda: evaluate_model("tiny", yaml_file, splits=["valid", None]), r"^evaluate_model: splits: .*None"),
+        # With an HGPOConfig, the options get the checks the command line's get, in the same words.
+        (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, num_eval_tasks=0),
+         r"^EnvArguments.num_eval_tasks must be an integer >= 1, got 0$"),
+        (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, task_kwargs="{num_rooms: 3"),
+         r"^EnvArguments.task_kwargs must be a mapping such as"),
+        (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, task_kwargs="{data_path: /nope}"),
+         r"^EnvArguments.task_kwargs.data_path: /nope does not exist"),  # the text is read as a mapping
+        (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, task_kwargs={"data_path": "/nope"}),
+         r"^EnvArguments.task_kwargs.data_path: /nope does not exist"),
+        (lambda: evaluate_model(model, misspelt, tokenizer=tiny_tokenizer),
+         r"^HGPOConfig.env_name: unknown environment 'keydor' \(did you mean 'keydoor'\?\)"),
+        (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, env_modules=["no_such_env_module"]),
+         r"^EnvArguments.env_modules: cannot import 'no_such_env_module'"),
     ]:
         with pytest.raises(ValueError, match=message) as error:
             call()
         assert "\n" not in str(error.value)
+
+
+def test_command_line_writes_a_list_item_as_a_single_value():
+    assert evaluate.command_line({"task_kwargs": {"a": 1}, "greedy": True, "items": [{"a": 1}, False, 2]}) == [
+        "--task_kwargs", '{"a": 1}', "--greedy", "true", "--items", '{"a": 1}', "false", "2"]
+
+
+def test_help_all_lists_trls_and_transformers_sections_after_ours(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        entry_points.evaluate(["--help-all"])
+    assert exit_info.value.code == 0
+    titles, group_of = sections_of(capsys.readouterr().out)
+    assert titles[2].startswith("EvalArguments: What to evaluate") and titles[3].startswith("EnvArguments: ")
+    assert titles[-2:] == ["TRL GRPOConfig: generation, loss, vLLM",
+                           "Transformers TrainingArguments: optimizer, precision, logging, saving"]
+    assert group_of("--policy") == titles[2] and group_of("--num_generations") == titles[-2]
+    assert group_of("--seed") == titles[-1]
