@@ -42,7 +42,8 @@ def play_in_chunks(tasks: Sequence[Mapping[str, Any]], chunk_size: int,
         episodes += rollout.episodes  # one rollout per task: episode k played chunk[k]
         if record_args is not None:
             for record in rollout_records(rollout, chunk, None, gamma=record_args.gamma,
-                                          invalid_penalty=record_args.invalid_penalty, depth=record_args.depth):
+                                          invalid_penalty=record_args.invalid_penalty, depth=record_args.depth,
+                                          similarity_threshold=record_args.similarity_threshold):
                 record["episode"] += c * chunk_size
                 records.append(record)
     return episodes, records

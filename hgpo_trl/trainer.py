@@ -202,7 +202,7 @@ class HGPOTrainer(GRPOTrainer):
         if every and self._iteration % every == 0:
             self._dump(f"iter_{self._iteration + 1:06d}", rollout_records(
                 rollout, tasks, advantages, gamma=self.args.gamma, invalid_penalty=self.args.invalid_penalty,
-                depth=self.args.depth))
+                depth=self.args.depth, similarity_threshold=self.args.similarity_threshold))
         return rollout, batch, advantages, advantage_seconds
 
     # ------------------------------------------------------------------ fixed_budget: through TRL's buffer

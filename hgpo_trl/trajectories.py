@@ -28,13 +28,15 @@ TASK_TYPE_FIELDS = ("task_type", "type")  # a task row's own type (ALFWorld), if
 
 
 def rollout_records(rollout: Rollout, tasks: Sequence[Mapping[str, Any]], advantages: np.ndarray | None, *,
-                    gamma: float, invalid_penalty: float, depth: int) -> list[dict[str, Any]]:
-    """One record per step of `rollout` (whose task groups index `tasks`)."""
+                    gamma: float, invalid_penalty: float, depth: int,
+                    similarity_threshold: float | None = None) -> list[dict[str, Any]]:
+    """One record per step of `rollout` (whose task groups index `tasks`); HGPO's peer levels keyed as the run's
+    `similarity_threshold` keys them."""
     if not rollout.steps:
         return []
     batch = rollout.step_batch()
     returns = discounted_returns(batch, gamma, invalid_penalty)
-    peers = hgpo_peer_levels(batch, depth)
+    peers = hgpo_peer_levels(batch, depth, similarity_threshold)
     episodes = {e.traj: e for e in rollout.episodes}
     records = []
     for i, step in enumerate(rollout.steps):

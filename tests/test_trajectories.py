@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hgpo_trl.advantages import compute_advantages
+from hgpo_trl.advantages import compute_advantages, hgpo_level_stats
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
@@ -56,6 +56,18 @@ def test_records_hold_every_field_of_every_step(tmp_path):
         (len(s.completion.prompt_ids), len(s.completion.completion_ids)) for s in rollout.steps]
     # Both rollouts start from the same observation: a level-0 peer at t = 0.
     assert all(0 in r["peer_levels"] for r in back if r["t"] == 0)
+
+
+def test_peer_levels_key_on_similarity_clusters_as_the_logged_level_stats_do():
+    task, rollout = scripted_rollout()
+    counts = {}
+    for threshold in (None, 0.3):
+        records = rollout_records(rollout, [task], None, gamma=0.95, invalid_penalty=0.1, depth=2,
+                                  similarity_threshold=threshold)
+        counts[threshold] = [sum(k in r["peer_levels"] for r in records) for k in range(3)]
+        stats = hgpo_level_stats(rollout.step_batch(), depth=2, similarity_threshold=threshold)
+        assert counts[threshold] == [s.with_peers for s in stats]
+    assert counts[0.3] == [8, 5, 3] and counts[None] == [8, 4, 2]  # (alike histories share clusters at 0.3)
 
 
 def scripted_records() -> list[dict]:

@@ -169,10 +169,11 @@ def hgpo_level_stats(batch: StepBatch, depth: int = 2, similarity_threshold: flo
             for k, level in enumerate(history_levels(steps, anchor_codes(steps, batch, similarity_threshold), depth))]
 
 
-def hgpo_peer_levels(batch: StepBatch, depth: int = 2) -> np.ndarray:
+def hgpo_peer_levels(batch: StepBatch, depth: int = 2, similarity_threshold: float | None = None) -> np.ndarray:
     """(N, K+1) booleans in the batch's row order: whether the step's level-k group holds another step, i.e. the
-    levels that contribute to its HGPO advantage (trajectory dumps)."""
+    levels that contribute to its HGPO advantage (trajectory dumps); `similarity_threshold` as for the levels."""
     check_level_args(depth, 0.0, "mean_norm", "power")
+    check_similarity_threshold(similarity_threshold)
     steps = sort_steps(batch)
-    levels = history_levels(steps, steps.obs, depth)
+    levels = history_levels(steps, anchor_codes(steps, batch, similarity_threshold), depth)
     return steps.unsort(np.stack([level.size() >= 2 for level in levels], axis=1))
