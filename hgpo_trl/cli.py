@@ -74,7 +74,7 @@ def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hgpo_trl.progress import shows_bars, transformers_bars_off
+    from hgpo_trl.progress import transformers_bars_as_ours
     from hgpo_trl.warmstart import without_deepspeed_config
 
     kwargs = {"revision": model_args.model_revision, "trust_remote_code": args.trust_remote_code}
@@ -83,7 +83,7 @@ def load_model(model_args: ModelConfig, env_args: EnvArguments, args: HGPOConfig
         # A model to warm-start loads whole: under ZeRO-3 from_pretrained would partition it. Its "Loading
         # weights" bar shows only where bars do.
         with without_deepspeed_config() if env_args.warmstart_steps > 0 else nullcontext(), \
-                transformers_bars_off(when=not shows_bars(args.disable_tqdm)):
+                transformers_bars_as_ours(args.disable_tqdm):
             model = AutoModelForCausalLM.from_pretrained(
                 model_args.model_name_or_path, dtype=model_args.dtype or "auto",
                 attn_implementation=model_args.attn_implementation, **kwargs)

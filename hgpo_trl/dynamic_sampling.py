@@ -12,7 +12,6 @@ decided from counts summed over the processes, so none waits in a collective the
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,14 +65,10 @@ def play_filtered(play: Callable[[list], Rollout], first_tasks: list, extra_task
     kept_tasks: list[list] = []
     played: list[Rollout] = []
     kept_total = dropped_total = 0.0
-    start = time.perf_counter()
-    first_seconds = 0.0
     for batch in range(max_batches):
         tasks = first_tasks if batch == 0 else extra_tasks()
         rollout = play(tasks)
         played.append(rollout)
-        if batch == 0:
-            first_seconds = time.perf_counter() - start
         dropped = set() if batch == max_batches - 1 else equal_reward_groups(rollout)
         kept.append(without_groups(rollout, dropped))
         kept_tasks.append(tasks)
@@ -86,7 +81,7 @@ def play_filtered(play: Callable[[list], Rollout], first_tasks: list, extra_task
     won, count = elementwise_process_sum(accelerator, [sum(e.won for e in episodes), len(episodes)])
     return rollout, tasks, episodes, {"dynamic/rollout_batches": float(len(played)), "dynamic/groups_kept": kept_total,
                             "dynamic/groups_dropped": dropped_total, "dynamic/played_success_rate": won / max(count, 1),
-                            "time/extra_rollouts": time.perf_counter() - start - first_seconds}
+                            "time/extra_rollouts": sum(r.seconds for r in played[1:])}
 
 
 def play_training_batches(trainer, tasks: list) -> tuple[Rollout, list]:
@@ -104,7 +99,8 @@ def play_training_batches(trainer, tasks: list) -> tuple[Rollout, list]:
         return rollout, tasks
 
     def extra_tasks() -> list:
-        batch, trainer._iterations.extra_batches = trainer._iterations.extra_batches, trainer._iterations.extra_batches + 1
+        batch = trainer._iterations.extra_batches
+        trainer._iterations.extra_batches += 1
         if args.dynamic_sampling_tasks == "replay":
             return tasks
         indices = trainer._task_sampler.extra_tasks(batch, accelerator.process_index, accelerator.num_processes)

@@ -255,7 +255,7 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
         None if model_or_path is None else str(model_or_path))
     options = {key: value for key, value in options.items() if value is not None}
     object_config = isinstance(config, HGPOConfig)
-    if object_config and (own := sorted(set(options) & {f.name for f in dataclasses.fields(HGPOConfig)})):
+    if object_config and (own := sorted(set(options) & field_names(HGPOConfig))):
         raise ConfigError(f"evaluate_model: {', '.join(own)}: set HGPOConfig fields on the HGPOConfig given as "
                           "config (or give a YAML file)")
     check_options(options, (EvalArguments, EnvArguments, ModelConfig, *(() if object_config else (HGPOConfig,))))

@@ -19,7 +19,7 @@ from hgpo_trl.cli import load_tasks
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
 from hgpo_trl.generation import Generate, ModelPolicy, generate_completions, generation_settings
-from hgpo_trl.progress import shows_bars, transformers_bars_off
+from hgpo_trl.progress import transformers_bars_as_ours
 from hgpo_trl.rollout import Completion, RolloutSettings, ScriptedPolicy
 
 
@@ -162,7 +162,7 @@ def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArgumen
         if args.use_vllm:
             print("evaluate.py: use_vllm is set, but vLLM runs on a GPU from a model folder, not the tiny model or "
                   "one in memory: generating with transformers")
-        with transformers_bars_off(when=not shows_bars(args.disable_tqdm)):  # ("Loading weights" into a log)
+        with transformers_bars_as_ours(args.disable_tqdm):  # ("Loading weights" into a log)
             model, tokenizer = loaded or load_model(model_args, env_args, args)
         model_config = model.config
         generate = hf_generator(model, tokenizer, args, temperature)

@@ -68,3 +68,8 @@ def transformers_bars_off(when: bool = True) -> Iterator[None]:
     finally:
         if active:
             logging.enable_progress_bar()
+
+
+def transformers_bars_as_ours(disabled: bool):
+    """Transformers' own bars (loading and writing weights) off for the block where ours do not show."""
+    return transformers_bars_off(when=not shows_bars(disabled))

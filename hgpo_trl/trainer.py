@@ -53,7 +53,7 @@ from hgpo_trl.loss_inputs import (
 )
 from hgpo_trl.metrics import SampleCounts, TrainedSteps, gathered_metrics, iteration_metrics, log_completions
 from hgpo_trl.model_card import write_model_card
-from hgpo_trl.progress import shows_bars, transformers_bars_off
+from hgpo_trl.progress import transformers_bars_as_ours, transformers_bars_off
 from hgpo_trl.reporting import set_up_reporting
 from hgpo_trl.rollout import Completion, Rollout
 from hgpo_trl.sampler import TaskSampler
@@ -87,7 +87,7 @@ class HGPOTrainer(GRPOTrainer):
         check_trainer_arguments(args, train_dataset)
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
-        with transformers_bars_off(when=not shows_bars(args.disable_tqdm)):  # (saving and loading the reference)
+        with transformers_bars_as_ours(args.disable_tqdm):  # (saving and loading the reference)
             self._saved_start = (args.beta != 0.0 or peft_config is not None) and save_in_memory_weights(
                 model, processing_class, args, peft=peft_config is not None)
             super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,

@@ -93,7 +93,8 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
                output_dir: str | None = None, gradient_checkpointing: bool = True) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
     steps (about one pass over fresh pairs); return its metrics. With `progress`, one `[warm start]` line and,
-    where bars show (`hgpo_trl.progress`), one bar. `output_dir`: where the SFT trainer may write (its logs under `report_to`); None: a temporary folder.
+    where bars show (`hgpo_trl.progress`), one bar. `output_dir`: where the SFT trainer may write (its logs under
+    `report_to`); None: a temporary folder.
     `gradient_checkpointing`: as the RL run's (recomputing activations costs a tiny model a third of its step).
 
     The completion is the action itself (`plain` mode) or `<think> </think><action>A</action>` (`tags` mode).
