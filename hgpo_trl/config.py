@@ -80,8 +80,12 @@ class HGPOConfig(HGPOFields, GRPOConfig):
             # An upper bound (the busiest process keeps every group it may play, each episode to max_env_steps);
             # the iterations stop the run.
             groups = self.tasks_per_device * (self.max_rollout_batches if self.dynamic_sampling else 1)
-            micro_batches = math.ceil(groups * self.num_generations * self.max_env_steps
-                                      / self.per_device_train_batch_size)
+            rows = groups * self.num_generations * self.max_env_steps
+            if self.balance_steps and self.fill_last_micro_batch == "duplicate":
+                # Every process's rows, filled to the multiple (hgpo_trl.balance), shared out in equal parts.
+                multiple = self.fill_multiple or self.per_device_train_batch_size * processes
+                rows = math.ceil(math.ceil(rows * processes / multiple) * multiple / processes)
+            micro_batches = math.ceil(rows / self.per_device_train_batch_size)
             windows = math.ceil(micro_batches / self.gradient_accumulation_steps)
             self.max_steps = self.train_iterations * self.num_iterations * windows
         elif self.train_iterations is not None:

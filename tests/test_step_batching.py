@@ -391,3 +391,17 @@ def test_a_micro_batch_that_skips_steps_is_seen_by_the_counters(tmp_path, tiny_m
     trained = next(h for h in trainer.state.log_history if "steps/trained" in h)
     assert trained["steps/max_untrained"] == 4 and trained["steps/trained"] == collected - 4
 
+
+
+def test_a_fill_larger_than_the_rows_a_process_plays_still_completes_every_iteration(tmp_path, tiny_model,
+                                                                                     tiny_tokenizer):
+    """1 task x 2 rollouts x 2 steps is 4 rows at most, filled to 16 (fill_multiple): 8 micro-batches of 2 and 8
+    optimizer steps an iteration. max_steps, all_steps' bound, must count the fill, or the run stops at the
+    bound inside iteration 1 without a word."""
+    trainer = make_trainer(tiny_model, tiny_tokenizer, all_steps_config(
+        tmp_path, balance_steps=True, fill_last_micro_batch="duplicate", fill_multiple=16, tasks_per_device=1,
+        num_generations=2, max_env_steps=2, per_device_train_batch_size=2, mini_batch_size=2))
+    assert trainer.args.max_steps >= 2 * 8
+    trainer.train()
+    assert trainer.completed_iterations == 2
+    assert [h["steps/trained_passes"] for h in trainer.state.log_history if "steps/trained_passes" in h] == [16, 16]
