@@ -106,9 +106,10 @@ def play_training_batches(trainer, tasks: list) -> tuple[Rollout, list]:
         indices = trainer._task_sampler.extra_tasks(batch, accelerator.process_index, accelerator.num_processes)
         return [trainer.train_dataset[i] for i in indices]
 
+    start = trainer._iterations.extra_batches
     rollout, kept_tasks, episodes, metrics = play_filtered(
         play, tasks, extra_tasks, args.tasks_per_device * accelerator.num_processes, args.max_rollout_batches,
         accelerator)
-    trainer._faults.stop_if_broken(trainer, dataclasses.replace(rollout, episodes=episodes))
+    trainer._faults.stop_if_broken(trainer, dataclasses.replace(rollout, episodes=episodes), extra_batches=start)
     trainer._log_gathered("train", metrics)
     return rollout, kept_tasks

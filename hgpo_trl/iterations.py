@@ -38,9 +38,13 @@ class FaultStreak:
             return faults[0] if faults else "on another process"
         return None
 
-    def stop_if_broken(self, trainer: HGPOTrainer, rollout: Rollout) -> None:
-        """After `limit` mostly-faulted iterations in a row: save a checkpoint and raise, on every process."""
+    def stop_if_broken(self, trainer: HGPOTrainer, rollout: Rollout, extra_batches: int | None = None) -> None:
+        """After `limit` mostly-faulted iterations in a row: save a checkpoint and raise, on every process. The
+        checkpoint resumes the iteration that stopped: dynamic sampling's task stream goes back to
+        `extra_batches`, its position when the iteration started."""
         if (example := self.update(trainer.accelerator, rollout)) is not None:
+            if extra_batches is not None:
+                trainer._iterations.extra_batches = extra_batches
             trainer._save_checkpoint(trainer.model, trial=None)
             raise RuntimeError(
                 f"environment faults: more than half the episodes failed in {self.limit} iterations in a row "

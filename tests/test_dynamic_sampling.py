@@ -4,6 +4,7 @@ max_rollout_batches, the last kept unfiltered; extra batches play fresh tasks (o
 resumed run plays the tasks the run it continues would have."""
 
 import itertools
+import json
 
 import pytest
 from datasets import Dataset
@@ -176,3 +177,21 @@ def test_dynamic_sampling_settings_are_checked():
         HGPOConfig(output_dir="unused", use_cpu=True, report_to="none", max_rollout_batches=0)
     with pytest.raises(ValueError, match=r"HGPOConfig\.dynamic_sampling_tasks must be one of \('fresh', 'replay'\)"):
         HGPOConfig(output_dir="unused", use_cpu=True, report_to="none", dynamic_sampling_tasks="new")
+
+
+class AlwaysFails(OneStepScores):
+    def reset(self, task):
+        raise RuntimeError("injected: the environment is down")
+
+
+def test_a_fault_stop_checkpoints_the_task_position_its_iteration_started_from(tmp_path, tiny_model, tiny_tokenizer):
+    """Every episode faults: iteration 1 plays its 3 batches (2 extra ones from the fresh-task stream) and the run
+    stops. Its checkpoint holds the stream's position before the iteration, so a resume replays the iteration
+    with the tasks the stopped run played, not the next ones."""
+    trainer, played = run(tmp_path, tiny_model, tiny_tokenizer, ["same"] * 6, env=AlwaysFails,
+                          max_faulty_iterations=1)
+    with pytest.raises(RuntimeError, match="environment faults"):
+        trainer.train()
+    assert len(played) == 3
+    state = json.loads((tmp_path / "out" / "checkpoint-0" / "hgpo_trainer_state_0.json").read_text())
+    assert (state["iterations"], state["extra_batches"]) == (0, 0)
