@@ -8,8 +8,9 @@ adapter's `env_id`), so the G rollouts of a task start from the same state; the 
 - Observation: `observation_to_text(observation)` when given (a function, or "module:function"); else the
   observation itself when the observation space is `spaces.Text`; else the `render_mode="ansi"` frame after each
   reset and step, cleaned: ANSI colours become `{text:colour}` (the agent on FrozenLake's start tile is
-  `{S:red}`), and the toy-text line echoing the last action ("  (Down)") is dropped, so that a state reads the
-  same whichever move reached it (HGPO groups on it); else the observation written from its space
+  `{S:red}`; nested ones listed, outer first: Taxi's taxi on the waiting passenger is `{R:blue,yellow}`), and the
+  toy-text line echoing the last action ("  (Down)") is dropped, so that a state reads the same whichever move
+  reached it (HGPO groups on it); else the observation written from its space
   (`gymnasium_spaces`: "(14, 10, 0)"), its parts named for a toy-text environment that has no frame
   (Blackjack: "your sum 14, dealer shows 10, usable ace: no"). An observation none of these writes is refused
   when the environment is built, in one line that names `observation_to_text`.
@@ -45,8 +46,7 @@ SUCCESS = ("auto", "reward", "terminated", "is_success")
 OBSERVATIONS = ("auto", "text", "ansi")
 _INSTALL = 'pip install "hgpo-trl[gymnasium]"'
 _COLOURS = {0: "black", 1: "red", 2: "green", 3: "yellow", 4: "blue", 5: "magenta", 6: "cyan", 7: "white"}
-_SPAN = re.compile(r"\x1b\[([\d;]*)m(.*?)\x1b\[0?m", re.DOTALL)
-_ESCAPE = re.compile(r"\x1b\[[\d;]*m")
+_SGR = re.compile(r"\x1b\[([\d;]*)m")  # a colour code (Select Graphic Rendition)
 _ACTION_ECHO = re.compile(r"^\s*\(\w+\)\s*$")
 
 
@@ -75,7 +75,8 @@ TOY_TEXT: dict[str, ToyText] = {
         ("south", "north", "east", "west", "pickup", "dropoff"),
         "Drive the taxi to the passenger (the blue letter), pick them up, drive to the destination (the magenta "
         "letter) and drop them off. The taxi is the cell written in yellow, as { :yellow}, when empty, in green "
-        "when carrying. Every step costs 1, a wrong pickup or dropoff 10.", "terminated"),
+        "when carrying; on a letter it adds its colour to the letter's, as {R:blue,yellow}. Every step costs 1, a "
+        "wrong pickup or dropoff 10.", "terminated"),
     "CliffWalking": ToyText(
         ("up", "right", "down", "left"),
         "Walk from the start to the goal T without stepping on the cliff C (it sends you back to the start, "
@@ -96,18 +97,41 @@ def _import_gymnasium():
     return gymnasium
 
 
-def _colour(codes: str) -> str | None:
-    for code in (int(c) for c in codes.split(";") if c.isdigit()):
-        for base in (30, 40, 90, 100):
-            if base <= code < base + 8:
-                return _COLOURS[code - base]
+def _colour(code: int) -> str | None:
+    for base in (30, 40, 90, 100):
+        if base <= code < base + 8:
+            return _COLOURS[code - base]
     return None
 
 
+def _coloured_runs(frame: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The frame as (text, colours) runs: a code adds its colour (foreground or background) to those in effect
+    until a reset (0), so nested spans give their cell every colour, outer first (Taxi's waiting passenger,
+    blue, around its taxi, yellow: `\\x1b[34;1m\\x1b[43mR\\x1b[0m\\x1b[0m`); a terminal would let a later
+    foreground hide an earlier one (Taxi's last frame: the passenger's blue over the destination's magenta)."""
+    runs: list[tuple[str, tuple[str, ...]]] = []
+    colours: tuple[str, ...] = ()
+    for i, part in enumerate(_SGR.split(frame)):
+        if i % 2 == 0:
+            if runs and runs[-1][1] == colours:
+                runs[-1] = (runs[-1][0] + part, colours)
+            elif part:
+                runs.append((part, colours))
+            continue
+        for code in [int(c) for c in part.split(";") if c.isdigit()] or [0]:  # "\\x1b[m" resets too
+            if code == 0:
+                colours = ()
+            elif (name := _colour(code)) and name not in colours:
+                colours = (*colours, name)
+    return runs
+
+
 def clean_frame(frame: str) -> str:
-    """An ansi frame as plain text: coloured spans as `{text:colour}`, the last action's echo line dropped."""
-    frame = _SPAN.sub(lambda m: f"{{{m[2]}:{_colour(m[1])}}}" if _colour(m[1]) else m[2], frame)
-    lines = [line.rstrip() for line in _ESCAPE.sub("", frame).splitlines() if not _ACTION_ECHO.match(line)]
+    """An ansi frame as plain text: coloured runs as `{text:colour}` (`{R:blue,yellow}` under two colours),
+    each line apart, the last action's echo line dropped."""
+    text = "".join("\n".join(f"{{{line}:{','.join(colours)}}}" if line and colours else line
+                             for line in run.split("\n")) for run, colours in _coloured_runs(frame))
+    lines = [line.rstrip() for line in text.splitlines() if not _ACTION_ECHO.match(line)]
     return "\n".join(lines).strip("\n")
 
 

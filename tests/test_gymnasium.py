@@ -5,6 +5,7 @@ from the toy-text table, an environment of `spaces.Text`, observations written f
 environment by name."""
 
 import json
+import re
 import sys
 from functools import partial
 from typing import ClassVar
@@ -51,6 +52,32 @@ def test_frozen_lake_frames_name_the_agent_and_the_goal_is_a_win():
     _, results = play(env, 0, ["right", "down"])  # into the hole at row 1: over, lost
     assert results[-1][2] and not results[-1][4]["won"] and results[-1][4]["score"] == 0.0
 
+
+
+def test_taxi_frames_show_the_taxi_the_passenger_and_the_destination_on_every_letter():
+    """Where the taxi stands on a letter Taxi nests its colours (the passenger's blue or the destination's magenta
+    around the taxi's yellow, or green when carrying): each colour stays on its cell, and no two states read alike
+    (HGPO and GiGPO group on the text)."""
+    env = gymnasium.make("Taxi-v4", render_mode="ansi")
+    env.reset(seed=0)
+    taxi = env.unwrapped
+
+    def frame(state: int) -> str:
+        taxi.s = state
+        return clean_frame(env.render())
+
+    assert frame(taxi.encode(0, 0, 0, 1)).splitlines()[1] == "|{R:blue,yellow}: | : :{G:magenta}|"
+    for letter, (row, col) in zip("RGYB", taxi.locs, strict=True):
+        for passenger in range(5):  # 4: aboard
+            for destination in range(4):
+                text = frame(taxi.encode(row, col, passenger, destination))
+                colours = {cell: set(names.split(",")) for cell, names in re.findall(r"\{(.):([a-z,]+)\}", text)}
+                assert ("green" if passenger == 4 else "yellow") in colours[letter], text
+                assert passenger == 4 or "blue" in colours["RGYB"[passenger]], text
+                assert "magenta" in colours["RGYB"[destination]] and "\x1b" not in text, text
+    assert len({frame(state) for state in range(taxi.observation_space.n)}) == taxi.observation_space.n
+    assert clean_frame("\x1b[31mA\x1b[0m\x1b[32mB\x1b[0mC\x1b[0m") == "{A:red}{B:green}C"  # adjacent spans
+    env.close()
 
 def test_slippery_ice_is_the_same_for_the_same_seed_and_differs_between_seeds():
     env = make_env("gymnasium", env_id="FrozenLake-v1")
