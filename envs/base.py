@@ -60,6 +60,11 @@ class MissingExtraError(ImportError, ValueError):
     """An optional package is not installed; the message names the extra that installs it."""
 
 
+class EnvironmentFaults(RuntimeError):
+    """The environment kept failing (more than half the episodes of a rollout, for as long as the fault limit
+    allows): the run stops, and the message says where it stopped and what to change."""
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 

@@ -29,6 +29,7 @@ from hgpo_trl.arguments import (
 )
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.base import EnvironmentFaults
 from hgpo_trl.parser import answered_help
 from hgpo_trl.reporting import (
     EvaluationBeforeTraining,
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as err:  # found while loading the tasks or the model, before any training
             print(f"train.py: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
+        except EnvironmentFaults as err:  # the environment kept failing: the message says what was saved
+            print(f"train.py: {err}", file=sys.stderr)
+            raise SystemExit(1) from None
     early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
     print(f"validation success {rounded(summary['success_rate_start'])} -> {rounded(summary['success_rate_end'])} in "
           f"{summary['iterations']} iterations{early}, {summary['wall_seconds']:.0f} s; see "

@@ -14,6 +14,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
 from hgpo_trl.collective import any_process
+from hgpo_trl.envs.base import EnvironmentFaults
 from hgpo_trl.progress import progress_bar
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class FaultStreak:
             if extra_batches is not None:
                 trainer._iterations.extra_batches = extra_batches
             trainer._save_checkpoint(trainer.model, trial=None)
-            raise RuntimeError(
+            raise EnvironmentFaults(
                 f"environment faults: more than half the episodes failed in {self.limit} iterations in a row "
                 f"(iteration {trainer._iteration}; e.g. {example}). A checkpoint was saved in "
                 f"{trainer.args.output_dir}; fix the environment (or raise env_step_timeout / max_faulty_iterations) "

@@ -17,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from accelerate.state import AcceleratorState, PartialState
@@ -29,45 +30,91 @@ from trl.data_utils import common_prefix_length
 
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.config import cpu_precision_default
-from hgpo_trl.envs.base import TextEnv
+from hgpo_trl.envs.base import EnvironmentFaults, TextEnv
 from hgpo_trl.memory import Memory, build_prompt
 from hgpo_trl.progress import progress_bar, shows_bars
 from hgpo_trl.reporting import BarOnly
 
+FAULT_WINDOW = 8
+"""Random play's fault rule is read once this many episodes were played (or when the play ends): one faulted
+episode of the first is no broken environment."""
+
+
+@dataclass
+class FaultTally:
+    """The episodes a random play played and those an environment fault ended, over one or several calls."""
+
+    description: str
+    played: int = 0
+    faults: list[str] = field(default_factory=list)
+
+    def check(self, *, final: bool) -> None:
+        """Stop (`EnvironmentFaults`) when more than half the episodes faulted, as the trainer's fault streak stops
+        a run: from `FAULT_WINDOW` episodes on, or at the end of the play (`final`)."""
+        if (final or self.played >= FAULT_WINDOW) and 2 * len(self.faults) > self.played:
+            raise EnvironmentFaults(f"{self.description}: the environment failed in {len(self.faults)} of "
+                                    f"{self.played} episodes (e.g. {self.faults[0]}); fix the environment (its "
+                                    "env_kwargs, its data)")
+
 
 def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int, *, history_length: int,
                 max_steps: int, format_instruction: str = "", seed: int = 0, progress: bool = False,
-                max_pairs: int | None = None, description: str = "random episodes") -> list[tuple[str, list[str], str]]:
+                max_pairs: int | None = None, description: str = "random episodes",
+                tally: FaultTally | None = None) -> list[tuple[str, list[str], str]]:
     """(prompt, admissible actions, next observation) for every step of `episodes` episodes that take uniformly
     random admissible actions, with the prompts the rollout would build. The tasks come in a random order
     (each once before any repeats). `progress`: a bar of the episodes played, where bars show
     (`hgpo_trl.progress`); `max_pairs`: stop after the episode in which the (prompt, admissible action) pairs
-    reach this many."""
+    reach this many.
+
+    An environment that raises ends its episode, whose steps are dropped, as a training rollout treats a fault;
+    more than half the episodes faulted stops the play (`FaultTally.check`). `tally`: a play of several calls
+    counts its faults there, and its caller checks the end."""
     rng = random.Random(seed)
     order = rng.sample(range(len(tasks)), len(tasks))
     samples: list[tuple[str, list[str], str]] = []
     pairs = 0
+    own = tally is None
+    tally = FaultTally(description) if own else tally
     for episode in progress_bar(iterable=range(episodes), desc=description, unit="episode", leave=False,
                                 disabled=not progress):
         if max_pairs is not None and pairs >= max_pairs:
             break
-        observation, info = env.reset(tasks[order[episode % len(tasks)]])
-        memory = Memory()
-        for step in range(max_steps):
-            admissible = info.get("admissible_actions", [])
-            if not admissible:
-                break
-            prompt, _ = build_prompt(env.render_prompt, info.get("task", ""), memory, observation, admissible, step,
-                                     history_length, format_instruction)
-            action = rng.choice(admissible)
-            next_observation, _, terminated, truncated, info = env.step(action)
-            samples.append((prompt, list(admissible), next_observation))
-            pairs += len(admissible)
-            memory.add(observation, action)
-            observation = next_observation
-            if terminated or truncated:
-                break
+        tally.played += 1
+        try:
+            steps = _random_episode(env, tasks[order[episode % len(tasks)]], rng, history_length=history_length,
+                                    max_steps=max_steps, format_instruction=format_instruction)
+        except Exception as err:  # (the environment's own failure, whatever its type)
+            tally.faults.append(f"{type(err).__name__}: {err}")
+            tally.check(final=False)
+            continue
+        samples += steps
+        pairs += sum(len(admissible) for _, admissible, _ in steps)
+    if own:
+        tally.check(final=True)
     return samples
+
+
+def _random_episode(env: TextEnv, task: Mapping[str, Any], rng: random.Random, *, history_length: int,
+                    max_steps: int, format_instruction: str) -> list[tuple[str, list[str], str]]:
+    """One episode of uniformly random admissible actions: (prompt, admissible actions, next observation) a step."""
+    observation, info = env.reset(task)
+    memory = Memory()
+    steps = []
+    for step in range(max_steps):
+        admissible = info.get("admissible_actions", [])
+        if not admissible:
+            break
+        prompt, _ = build_prompt(env.render_prompt, info.get("task", ""), memory, observation, admissible, step,
+                                 history_length, format_instruction)
+        action = rng.choice(admissible)
+        next_observation, _, terminated, truncated, info = env.step(action)
+        steps.append((prompt, list(admissible), next_observation))
+        memory.add(observation, action)
+        observation = next_observation
+        if terminated or truncated:
+            break
+    return steps
 
 
 def environment_corpus(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int = 200,
@@ -104,14 +151,16 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     env = env_factory()
     pairs: list[tuple[str, str]] = []
     episode_seed = seed
+    tally = FaultTally("warm start: random episodes")
     while len(pairs) < steps * batch_size:
         # Episodes enough for 2 admissible actions a step; those with many (ALFWorld's dozens) stop early.
         episodes = random_play(env, tasks, max(1, (steps * batch_size - len(pairs)) // (2 * max_steps) + 1),
                                history_length=history_length, max_steps=max_steps, format_instruction=instruction,
                                seed=episode_seed, progress=progress, max_pairs=2 * steps * batch_size,
-                               description="warm start: random episodes")
+                               description=tally.description, tally=tally)
         pairs += [(prompt, action) for prompt, admissible, _ in episodes for action in admissible]
         episode_seed += 1
+    tally.check(final=True)
     env.close()
     answer = (lambda a: a) if action_mode == "plain" else (lambda a: f"<think> </think><action>{a}</action>")
     dataset = sft_dataset(tokenizer, pairs, answer)

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from hgpo_trl.actions import FORMAT_INSTRUCTIONS
-from hgpo_trl.envs import make_env, make_tasks
-from hgpo_trl.tiny import build_tiny_model
-from hgpo_trl.warmstart import random_play, sft_dataset
+from hgpo_trl.envs import KeyDoorEnv, keydoor_tasks, make_env, make_tasks, register_env
+from hgpo_trl.tiny import build_tiny_model, make_tiny
+from hgpo_trl.warmstart import random_play, sft_dataset, warm_start
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -73,3 +73,53 @@ def test_the_warm_start_runs_outside_the_launch_s_deepspeed_and_fsdp_and_restore
         assert deepspeed._hf_deepspeed_config_weak_ref is None
     assert os.environ["ACCELERATE_USE_FSDP"] == "true" and "ACCELERATE_USE_DEEPSPEED" not in os.environ
     assert deepspeed._hf_deepspeed_config_weak_ref is marker and PartialState().initialized
+
+
+class FlakyKeyDoor(KeyDoorEnv):
+    """Keydoor that raises on turn 3 of every other episode (`always`: of every episode)."""
+
+    def __init__(self, always: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.always, self.episodes = always, 0
+
+    def reset(self, task):
+        self.episodes += 1
+        self.turn = 0
+        return super().reset(task)
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 3 and (self.always or self.episodes % 2 == 0):
+            raise RuntimeError("injected: the game engine crashed")
+        return super().step(action)
+
+
+def test_a_fault_ends_a_random_episode_as_in_training_and_the_tiny_model_and_warm_start_build(monkeypatch):
+    """make_tiny's tokenizer and the warm start play random episodes: an environment that raises in some episodes
+    ends those (their steps dropped, as a training rollout drops a faulted episode's), it does not stop the run."""
+    import hgpo_trl.envs.registry as registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_env("flaky_keydoor", FlakyKeyDoor, keydoor_tasks, fast=True)
+    tasks = list(make_tasks("keydoor", "train", num_tasks=6))
+    episodes = random_play(FlakyKeyDoor(max_steps=6), tasks, 6, history_length=2, max_steps=6)
+    turns = [len(e) for e in random_play(KeyDoorEnv(max_steps=6), tasks, 6, history_length=2, max_steps=6)]
+    assert 0 < len(episodes) < sum(turns)  # the faulted episodes' steps are gone, the others kept
+    model, tokenizer = make_tiny("flaky_keydoor", tasks, hidden_size=16, num_layers=1, num_heads=2)
+    metrics = warm_start(model, tokenizer, FlakyKeyDoor, tasks, steps=1, batch_size=4, max_steps=6)
+    assert metrics["warmstart_examples"] >= 4
+
+
+def test_an_environment_that_always_fails_stops_train_py_in_one_line_before_training(tmp_path, monkeypatch, capsys):
+    import hgpo_trl.envs.registry as registry
+    from hgpo_trl.cli import main
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_env("broken_keydoor", lambda **kw: FlakyKeyDoor(always=True, **kw), keydoor_tasks, fast=True)
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "configs/quickstart.yaml", "--env_name", "broken_keydoor", "--output_dir",
+              str(tmp_path / "out"), "--warmstart_steps", "1"])
+    assert stop.value.code == 1
+    message = capsys.readouterr().err.strip().splitlines()
+    assert len(message) == 1 and "tiny tokenizer: random episodes: the environment failed in" in message[0]
+    assert "RuntimeError: injected: the game engine crashed" in message[0]
