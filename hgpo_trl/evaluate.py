@@ -237,15 +237,15 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
     """hgpo-eval from Python (a notebook): evaluate `model_or_path` with `config` and return the result, as the
     command line would play and write it.
 
-    `model_or_path`: a model in memory (a transformers model or a PEFT model; `tokenizer` is then required), or
-    what `model_name_or_path` takes (a run's folder or checkpoint, a LoRA adapter folder, a hub id, 'tiny'); None:
-    the config's. `config`: a train.py YAML file, an `HGPOConfig` (as given to `HGPOTrainer`), or None (the
-    defaults). `options`: any field of the command line (`seeds`, `splits`, `greedy`, `policy`, `num_envs`,
-    `episodes_per_seed`, `eval_output_dir`; `task_kwargs`, `num_eval_tasks`, ...); with a YAML file any train.py
-    field too, overriding it; with an `HGPOConfig`, none of its own fields (set them on it: given here they are
-    refused); a None value keeps the config's. Bad input raises `ConfigError` (a `ValueError`) with the line the
-    command line would print; nothing is loaded or played before the checks pass. A model in memory keeps its
-    training mode.
+    `model_or_path`: a model in memory (a transformers model or a PEFT model; `tokenizer` is then required), or what
+    `model_name_or_path` takes (a run's folder or checkpoint, a LoRA adapter folder, a hub id, 'tiny'); None: the
+    config's, or the `model_name_or_path` option's (both given: refused). `config`: a train.py YAML file, an
+    `HGPOConfig` (as given to `HGPOTrainer`), or None (the defaults). `options`: any field of the command line
+    (`seeds`, `splits`, `greedy`, `policy`, `num_envs`, `episodes_per_seed`, `eval_output_dir`; `task_kwargs`,
+    `num_eval_tasks`, ...); with a YAML file any train.py field too, overriding it; with an `HGPOConfig`, none of
+    its own fields (set them on it: given here they are refused); a None value keeps the config's. Bad input raises
+    `ConfigError` (a `ValueError`) with the line the command line would print; nothing is loaded or played before
+    the checks pass. A model in memory keeps its training mode.
     """
     in_memory = model_or_path is not None and not isinstance(model_or_path, str | os.PathLike)
     if in_memory and tokenizer is None:
@@ -254,6 +254,9 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
     name = f"in memory ({type(model_or_path).__name__})" if in_memory else (
         None if model_or_path is None else str(model_or_path))
     options = {key: value for key, value in options.items() if value is not None}
+    if name is not None and "model_name_or_path" in options:  # (each path would silently keep another one)
+        raise ConfigError(f"evaluate_model: two models named: {name} and model_name_or_path="
+                          f"{options['model_name_or_path']!r}; give one")
     object_config = isinstance(config, HGPOConfig)
     if object_config and (own := sorted(set(options) & field_names(HGPOConfig))):
         raise ConfigError(f"evaluate_model: {', '.join(own)}: set HGPOConfig fields on the HGPOConfig given as "

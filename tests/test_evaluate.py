@@ -355,6 +355,7 @@ def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2)
     args = HGPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none")
     misspelt = HGPOConfig(output_dir=str(tmp_path / "run"), use_cpu=True, report_to="none", env_name="keydor")
+    twice = r"^evaluate_model: two models named: .* and model_name_or_path=.*; give one$"
     for call, message in [
         (lambda: evaluate_model(model, yaml_file), r"^evaluate_model: a model in memory needs its tokenizer"),
         (lambda: evaluate_model("tiny", yaml_file, greedyy=True), r"unknown option 'greedyy' \(did you mean 'greedy'\?\)"),
@@ -377,6 +378,10 @@ def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_
          r"^HGPOConfig.env_name: unknown environment 'keydor' \(did you mean 'keydoor'\?\)"),
         (lambda: evaluate_model(model, args, tokenizer=tiny_tokenizer, env_modules=["no_such_env_module"]),
          r"^EnvArguments.env_modules: cannot import 'no_such_env_module'"),
+        # Two models named: refused on both config paths, never one of them played silently.
+        (lambda: evaluate_model(str(tmp_path), yaml_file, model_name_or_path="tiny"), twice),
+        (lambda: evaluate_model(model, yaml_file, tokenizer=tiny_tokenizer, model_name_or_path="tiny"), twice),
+        (lambda: evaluate_model("tiny", args, model_name_or_path=str(tmp_path)), twice),
     ]:
         with pytest.raises(ValueError, match=message) as error:
             call()
