@@ -174,6 +174,20 @@ def test_memory_by_zero_stage_by_hand(stage, weights, grads, optimizer, referenc
     assert gpu["activations (LM head)"] == pytest.approx(2 * 4096 * 32768 * 2 / GIB)
 
 
+def test_deepspeed_zero_0_in_bf16_keeps_every_fp32_gradient_and_master_weight_on_every_gpu():
+    """DeepSpeed's stage 0 in bf16 wraps the optimizer in FP16_UnfusedOptimizer (FP16_Optimizer for its own
+    FusedAdam): an fp32 copy of every weight and every gradient, partitioned over no one."""
+    shape, n = SHAPES["Qwen/Qwen2.5-7B-Instruct"], SHAPES["Qwen/Qwen2.5-7B-Instruct"].parameters
+    place, work = Placement(8, 0, deepspeed=True), Workload(1, 1024, 512, reference=False)
+    zero0 = project_memory(shape, place, work, gpu_gib=140)
+    assert zero0.gpu["weights"] == pytest.approx(2 * n / GIB)
+    assert zero0.gpu["gradients"] == pytest.approx((2 + 4) * n / GIB)  # 42.6 GiB, whatever the processes
+    assert zero0.gpu["optimizer states"] == pytest.approx(12 * n / GIB)
+    assert verdict(zero0, shape, place, work).startswith("does not fit: 144.8 of 140 GiB")
+    one = project_memory(shape, Placement(8, 1, deepspeed=True), work, gpu_gib=140)  # ZeRO-1: its partitions
+    assert one.gpu["gradients"] == pytest.approx((2 + 4 / 8) * n / GIB)
+
+
 def test_offloads_move_the_optimizer_and_the_weights_to_the_host_by_hand():
     shape = SHAPES["Qwen/Qwen2.5-7B-Instruct"]
     n = shape.parameters

@@ -4,12 +4,22 @@ device by part, host memory where DeepSpeed offloads, and a lower bound on an it
 An estimate with stated assumptions, not a measurement (no GPU ever ran this). Per parameter (N of them; N_t
 trainable, all of them without LoRA), on each of the P data-parallel processes:
 
-| part | plain DDP | DeepSpeed ZeRO-0 / 1 | ZeRO-2 | ZeRO-3 |
-|---|---|---|---|---|
-| weights | `dtype` bytes, + 2 for bf16 autocast's cast copies | 2 (bf16; 4 in fp32) | same | 2 / P, + the gathered working set |
-| gradients | 2 x `dtype` bytes x N_t (and DDP's buckets) | (2 + 4 / P) x N_t (bf16, fp32 partition) | (2 + 4) x N_t / P | same |
-| optimizer | 8 x N_t (AdamW moments) | 12 x N_t (/ P from ZeRO-1: + fp32 master) | 12 x N_t / P | same |
-| KL reference | `dtype` bytes (none with LoRA) | 2 (bf16) | 2 | 2 / P |
+| part | plain DDP | DeepSpeed ZeRO-0 | ZeRO-1 | ZeRO-2 | ZeRO-3 |
+|---|---|---|---|---|---|
+| weights | `dtype` bytes, + 2 for bf16 autocast's cast copies | 2 (bf16; 4 in fp32) | same | same | 2 / P, + the gathered working set |
+| gradients | 2 x `dtype` bytes x N_t (and DDP's buckets) | (2 + 4) x N_t (bf16, and each cast to fp32) | (2 + 4 / P) x N_t (bf16, fp32 partition) | (2 + 4) x N_t / P | same |
+| optimizer | 8 x N_t (AdamW moments) | 12 x N_t (fp32 master + moments) | 12 x N_t / P | same | same |
+| KL reference | `dtype` bytes (none with LoRA) | 2 (bf16) | 2 | 2 | 2 / P |
+
+DeepSpeed in bf16 as it does it (0.19.8, the venv's), `data_types.grad_accum_dtype` unset as accelerate's files
+leave it (the model's dtype then: `DeepSpeedEngine.get_data_types`): at stage 0, `_do_optimizer_sanity_check`
+(runtime/engine.py) answers DDP_BFLOAT16, which `_configure_fp16_optimizer` wraps in `FP16_UnfusedOptimizer`
+(TRL's torch AdamW) or `FP16_Optimizer` (DeepSpeed's FusedAdam; runtime/fp16/): an fp32 copy of every trainable
+weight, and every bf16 gradient cast to fp32 for the step, on every process. From stage 1 it is
+`DeepSpeedZeroOptimizer` (runtime/zero/stage_1_and_2.py: `single_partition_of_fp32_groups`, the gradients cast
+partition by partition) or stage 3's (runtime/zero/stage3.py: `fp32_partitioned_groups_flat`): 1 / P of both.
+(`BF16_Optimizer`, runtime/bf16_optimizer.py, whose fp32 gradient buffers hold every weight's, is taken at
+stage 1 only with `grad_accum_dtype: fp32`: not modelled.)
 
 `offload_optimizer_device: cpu` moves the optimizer states and an fp32 copy of the gradients (4 x N_t / P) to host
 memory; `offload_param_device: cpu` (ZeRO-3) the weight and reference partitions, leaving the gathered working
@@ -147,17 +157,15 @@ def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib:
     compute = 2 if deepspeed and place.bf16 else work.weight_bytes  # DeepSpeed holds bf16 weights
     weights = n * compute + (2 * n if place.bf16 and not deepspeed and work.weight_bytes == 4 else 0)
     grads = trainable * compute * (2 if not deepspeed and p > 1 else 1)  # DDP: the gradients and its buckets
-    master = trainable * 4 if deepspeed and place.bf16 else 0  # fp32 gradient partition (ZeRO: sharded)
+    master = trainable * 4 if deepspeed and place.bf16 else 0  # the gradients cast to fp32 (ZeRO: a partition)
     optimizer = trainable * (12 if deepspeed and place.bf16 else 8)
     reference = n * compute if work.reference else 0
     largest = shape.vocab_rows * shape.hidden * compute  # the embedding (and an untied LM head)
     layer = (n - shape.vocab_rows * shape.hidden * (1 if shape.tied else 2)) / shape.layers * compute
     host: dict[str, float] = {}
     per_machine = place.processes_per_machine or p
-    if deepspeed:
-        master /= p
     if stage >= 1:
-        optimizer /= p
+        optimizer, master = optimizer / p, master / p
     if stage >= 2:
         grads /= p
     if stage == 3:
