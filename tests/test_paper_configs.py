@@ -147,7 +147,7 @@ def expected(env: str, size: str, method: str) -> dict:
     if estimator == "hgpo":
         fields["drop_zero_items"] = True  # core_hgpo keeps only items != 0
     # What the model sees: env_package/{alfworld,webshop}/projection.py reads every output, a penalised one's
-    # action is still carried out; ALFWorld's observations are the game's text as written (the banner too).
+    # action is still carried out.
     fields["invalid_action"] = "execute"
     # adjust_batch fills the batch to a multiple of lcm(rollout and ref log-prob micro, actor micro) x GPUs;
     # fill_multiple is set where that is not per_device_train_batch_size x processes, its default.
@@ -157,8 +157,9 @@ def expected(env: str, size: str, method: str) -> dict:
                          for role in ("rollout", "ref")), gpus * micro)
     if divisor != gpus * micro:
         fields["fill_multiple"] = divisor
-    if env == "alfworld":
-        fields["env_kwargs"] = {"raw_observations": True}
+    # ALFWorld's observations are the game's text as written (the banner too); WebShop's after an invalid action
+    # the unchanged page (web_agent_text_env.py: no notice).
+    fields["env_kwargs"] = {"alfworld": {"raw_observations": True}, "webshop": {"invalid_notice": False}}[env]
     return fields
 
 

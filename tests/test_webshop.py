@@ -3,10 +3,14 @@ search ranking, determinism, the original data format, task lists, prompt, regis
 
 import itertools
 import json
+from functools import partial
 
+import numpy as np
 import pytest
 
+from hgpo_trl.advantages.hgpo import hgpo_peer_levels
 from hgpo_trl.envs import make_env, make_tasks, registered_envs
+from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.envs.webshop import WebShopEnv, webshop_tasks
 from hgpo_trl.envs.webshop.catalogue import TYPES, Goal, Product, generate_goals, generate_products
 from hgpo_trl.envs.webshop.env import INVALID, parse_action
@@ -14,6 +18,7 @@ from hgpo_trl.envs.webshop.reward import normalize_color, score, token_set_ratio
 from hgpo_trl.envs.webshop.search import product_document
 from hgpo_trl.envs.webshop.shop import load_goals, load_shop
 from hgpo_trl.envs.webshop.tasks import SPLITS
+from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
 
 SHOES = "Clothing, Shoes & Jewelry › Men › Shoes › Athletic › Running"
 
@@ -295,17 +300,46 @@ WALK = [
 ]
 
 
-def test_invalid_actions_are_no_ops():
-    env = WebShopEnv(max_steps=100)
+@pytest.mark.parametrize("notice", [True, False])
+def test_invalid_actions_are_no_ops(notice):
+    env = WebShopEnv(max_steps=100, invalid_notice=notice)
     info = env.reset(all_rows()[0])[1]
     for unavailable, move in WALK:
         page, admissible, steps = info["state_key"], info["admissible_actions"], info["step"]
         for n, action in enumerate(BAD_ACTIONS + unavailable, 1):
             obs, reward, terminated, truncated, after = env.step(action)
-            assert obs == f"{INVALID} {page}" and (reward, terminated, truncated) == (0.0, False, False)
+            assert obs == (f"{INVALID} {page}" if notice else page)  # released: the page alone
+            assert (reward, terminated, truncated) == (0.0, False, False)
             assert after["state_key"] == page and after["admissible_actions"] == admissible
             assert after["step"] == steps + n
         info = step(env, admissible[-1] if move == "<last>" else move)[4]  # the walk goes on from there
+
+
+@pytest.mark.parametrize("notice", [True, False])
+def test_the_step_after_an_invalid_one_groups_with_the_same_page_as_released(notice):
+    """Two rollouts of one goal search alike; then the first sends an action the results page does not offer,
+    the second goes back to search. Released (no notice), the first rollout's next anchor is the results page
+    it stayed on: it shares HGPO's level 0 (GiGPO's anchor group) with both steps that saw that page, and the
+    memory shows the page alone; with the notice it is a state of its own."""
+    task = make_tasks("webshop", "train", num_tasks=1)[0]
+    plans = [["search[shoes]"] * 2, ["click[nothing here]", "click[back to search]"],
+             ["click[back to search]", "search[shoes]"], ["search[shoes]", "click[back to search]"]]
+    prompts = []
+
+    def policy(texts, infos):
+        prompts.append(texts)
+        return [Completion(action) for action in plans[len(prompts) - 1]]
+
+    envs = InProcessEnvs(partial(make_env, "webshop", invalid_notice=notice), 2)
+    rollout = run_rollout(envs, [task], 2, policy, RolloutSettings(action_mode="plain", max_steps=4), scripted=True)
+    batch = rollout.step_batch()
+    row = {(r.traj, r.step): i for i, r in enumerate(rollout.steps)}
+    results = batch.obs[row[0, 1]]
+    assert batch.obs[row[1, 1]] == results and not rollout.steps[row[0, 1]].observation.startswith(INVALID)
+    assert (batch.obs[row[0, 2]] == results) is not notice
+    assert hgpo_peer_levels(batch, depth=2)[row[0, 2], 0] is np.bool_(not notice)
+    # The memory shows the page the step saw (at step 4: the pairs of steps 2 and 3).
+    assert (f"[Observation 3: '{results}', Action 3: 'click[back to search]']" in prompts[3][0]) is not notice
 
 
 def test_parse_action_is_lenient_on_wrapping_only():
@@ -490,3 +524,8 @@ def test_registry():
     env = make_env("webshop", max_steps=5)
     row = make_tasks("webshop", "test", num_tasks=2)[1]
     assert env.max_steps == 5 and env.reset(row)[0] == "'Search'"
+    for bad, match in ((dict(invalid_notice="no"), "invalid_notice must be true or false, got 'no'"),
+                       (dict(max_steps=0), "max_steps must be a positive integer"),
+                       (dict(win_reward=float("nan")), "win_reward must be a finite number")):
+        with pytest.raises(ValueError, match=match):
+            make_env("webshop", **bad)

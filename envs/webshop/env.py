@@ -8,9 +8,11 @@ The dynamics follow `web_agent_site/envs/web_agent_text_env.py` (`step`, `SimSer
   a sub-page whose `click[< prev]` comes back with the options kept; `click[< prev]` goes back to the results
   page it came from (forgetting the options, as the original's search results reset them);
 - `click[buy now]` scores the purchase (`reward.score`) and ends the episode.
-Departures: a malformed or unavailable action is a no-op whose observation says so before the unchanged
-page (the original shows the page alone), and `search[...]` works only where the page has the search bar
-(the original accepts it anywhere). The reward is `win_reward` (10, as HGPO and verl-agent) when the score is
+A malformed or unavailable action is a no-op; its observation is the unchanged page, as in the original and
+verl-agent, so the step after it shares its anchor with the same page reached otherwise. `invalid_notice=True`
+(ours, the default) puts "Invalid action: nothing happens." before the page: the model reads that its action
+failed, and that step is an anchor of its own. Departure: `search[...]` works only where the page has the
+search bar (the original accepts it anywhere). The reward is `win_reward` (10, as HGPO and verl-agent) when the score is
 1 and 0 otherwise; `info["score"]` keeps the score.
 """
 
@@ -53,17 +55,21 @@ class WebShopEnv:
     where the search bar is, then "click[x]" for the page's clickables, as verl-agent lists them),
     `state_key` (the page's text, without the invalid-action notice; like the page, it does not show the
     options chosen), `won`, `task` (the instruction), `step` and `score` (0 until the purchase).
+    `invalid_notice=False` shows an invalid action's page alone, as released (the paper configs).
     """
 
     def __init__(self, data_path: str | Path | None = None, num_products: int | None = None, seed: int = 0,
-                 max_steps: int = 30, win_reward: float = 10.0):
+                 max_steps: int = 30, win_reward: float = 10.0, invalid_notice: bool = True):
         if not isinstance(max_steps, Integral) or isinstance(max_steps, bool) or max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         if isinstance(win_reward, bool) or not isinstance(win_reward, Real) or not math.isfinite(win_reward):
             raise ValueError(f"win_reward must be a finite number, got {win_reward!r}")
+        if not isinstance(invalid_notice, bool):
+            raise ValueError(f"invalid_notice must be true or false, got {invalid_notice!r}")
         self.shop = load_shop(data_path, num_products, seed)
         self.max_steps = int(max_steps)
         self.win_reward = float(win_reward)
+        self.invalid_notice = invalid_notice
         self._goal: Goal | None = None
 
     def reset(self, task: Mapping[str, Any]) -> tuple[str, Info]:
@@ -92,7 +98,7 @@ class WebShopEnv:
         won = terminated and self._score == 1.0
         truncated = not terminated and self._steps >= self.max_steps
         self._done = terminated or truncated
-        observation = self._page.text if valid else f"{INVALID} {self._page.text}"
+        observation = self._page.text if valid or not self.invalid_notice else f"{INVALID} {self._page.text}"
         return observation, self.win_reward if won else 0.0, terminated, truncated, self._info()
 
     def _act(self, verb: str, argument: str) -> bool:
