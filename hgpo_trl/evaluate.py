@@ -25,13 +25,17 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 from trl import ModelConfig
 
@@ -245,7 +249,8 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
     `num_eval_tasks`, ...); with a YAML file any train.py field too, overriding it; with an `HGPOConfig`, none of
     its own fields (set them on it: given here they are refused); a None value keeps the config's. Bad input raises
     `ConfigError` (a `ValueError`) with the line the command line would print; nothing is loaded or played before
-    the checks pass. A model in memory keeps its training mode.
+    the checks pass. The caller's state is left as it was (`callers_state_kept`): the model's tensors and training
+    modes, its tokenizer, the global random generators.
     """
     in_memory = model_or_path is not None and not isinstance(model_or_path, str | os.PathLike)
     if in_memory and tokenizer is None:
@@ -270,13 +275,35 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
                     *(["--model_name_or_path", name] if name is not None else []), *command_line(options)]
             evaluation = prepare(argv, model_in_memory=in_memory)
         evaluation.model = (model_or_path, tokenizer) if in_memory else None
-        was_training = getattr(model_or_path, "training", False)
-        try:
+        with callers_state_kept(model_or_path if in_memory else None):
             report = run(evaluation)
-        finally:
-            if in_memory:
-                model_or_path.train(was_training)
     return EvaluationResult(report, evaluation.output_dir)
+
+
+@contextmanager
+def callers_state_kept(model: Any = None) -> Iterator[None]:
+    """The caller's state as it was before the block: the global random generators that each evaluation seed
+    resets (Python's, numpy's, torch's and CUDA's) and, for a `model` in memory, each module's training mode and
+    its own tensors, put back (a CPU model played on the GPU comes back on its CPU tensors, bit for bit, with no
+    copy back)."""
+    import torch
+
+    python, numpy = random.getstate(), np.random.get_state()  # noqa: NPY002 (the legacy one is what set_seed seeds)
+    modes = [(m, m.training) for m in model.modules()] if model is not None else []
+    held = [(slots, name, t, t.data, t.grad, None if t.grad is None else t.grad.data)
+            for m, _ in modes for slots in (m._parameters, m._buffers) for name, t in slots.items() if t is not None]
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)  # noqa: NPY002
+        for slots, name, tensor, data, grad, grad_data in held:  # (`to` may have replaced the tensor or its data)
+            slots[name], tensor.data = tensor, data
+            if grad is not None:
+                grad.data, tensor.grad = grad_data, grad
+        for module, training in modes:
+            module.train(training)
 
 
 def prepare_with_config(args: HGPOConfig, options: dict[str, Any], name: str | None, in_memory: bool) -> Evaluation:

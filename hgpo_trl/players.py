@@ -83,27 +83,25 @@ def eos_token_ids(declared: int | list[int] | None, tokenizer) -> list[int]:
     return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
 
 
-def hf_generator(model, tokenizer, args: HGPOConfig, temperature: float) -> Generate:
-    """transformers' generate on a whole turn (left-padded), with the config's sampling settings; the global torch
+def hf_generator(model, tokenizer, args: HGPOConfig, temperature: float, device: str) -> Generate:
+    """transformers' generate on `device` on a whole turn (left-padded; with eos where the tokenizer has no pad
+    token, which is left as it is: it may be the caller's), with the config's sampling settings; the global torch
     RNG (seeded per evaluation seed) drives sampling."""
-    import torch
     from transformers import GenerationConfig
 
-    device = "cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu"
     model.to(device).eval()
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    pad_token_id = tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id
     eos = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
     # Sampling settings only when sampling: greedy decoding would warn that they are ignored.
     sampling = {"do_sample": True, "temperature": temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "min_p": args.min_p} if temperature > 0 else {"do_sample": False}
     config = GenerationConfig(**{"max_new_tokens": args.max_completion_length,
-                                 "repetition_penalty": args.repetition_penalty, "pad_token_id": tokenizer.pad_token_id,
+                                 "repetition_penalty": args.repetition_penalty, "pad_token_id": pad_token_id,
                                  "bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos, **sampling,
                                  **(args.generation_kwargs or {})})
 
     def generate(prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
-        return generate_completions(model, config, prompt_ids, tokenizer.pad_token_id, eos), None
+        return generate_completions(model, config, prompt_ids, pad_token_id, eos), None
 
     return generate
 
@@ -165,7 +163,8 @@ def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArgumen
         with transformers_bars_as_ours(args.disable_tqdm):  # ("Loading weights" into a log)
             model, tokenizer = loaded or load_model(model_args, env_args, args)
         model_config = model.config
-        generate = hf_generator(model, tokenizer, args, temperature)
+        generate = hf_generator(model, tokenizer, args, temperature,
+                                "cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
         backend = "transformers"
     settings = generation_settings(settings, tokenizer, model_config,
                                    args.vllm_max_model_length if backend == "vllm" else None, args.max_completion_length)

@@ -1,5 +1,6 @@
 """hgpo-eval / evaluate.py: results per split, seed and task type; reference players; model paths; errors."""
 
+import copy
 import json
 import os
 import re
@@ -343,6 +344,56 @@ def test_evaluate_model_takes_a_folder_or_the_same_model_in_memory_and_returns_t
                                  task_kwargs={"num_rooms": 3, "num_colors": 3})
     assert with_config.output_dir == tmp_path / "run" / "evaluation-1"  # the one before is kept
     assert with_config.report["results"] == from_folder.report["results"]  # a new adapter (B = 0) is the base
+
+
+def test_evaluate_model_leaves_the_callers_model_tokenizer_and_random_generators_as_they_were(tmp_path,
+                                                                                              tiny_tokenizer):
+    """A notebook's objects after evaluate_model(model, ...): the model's dtype, values, generation config and
+    training mode (each module's), the tokenizer's pad token and padding side, and the global random generators
+    (Python's, numpy's, torch's) that each evaluation seed resets. (Its device: the next test.)"""
+    import random
+
+    import numpy as np
+    from transformers import set_seed
+
+    from hgpo_trl.evaluate import evaluate_model
+
+    def next_draws():  # (numpy's legacy global generator: the one set_seed seeds)
+        return random.random(), float(np.random.random()), torch.rand(1).item()  # noqa: NPY002
+
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2).to(torch.float64).train()
+    model.model.embed_tokens.eval()  # a module the caller froze stays in eval mode
+    tokenizer = copy.deepcopy(tiny_tokenizer)  # (the fixture is the session's)
+    tokenizer.pad_token, tokenizer.padding_side = None, "right"  # the evaluation pads on the left, with eos
+    values, generation = {k: v.clone() for k, v in model.state_dict().items()}, model.generation_config.to_dict()
+    set_seed(11)
+    expected = next_draws()
+    set_seed(11)
+    evaluate_model(model, config(tmp_path, KEYDOOR), tokenizer=tokenizer, seeds=[3])
+    assert next_draws() == expected
+    assert (tokenizer.pad_token, tokenizer.padding_side) == (None, "right")
+    assert model.training and not model.model.embed_tokens.training
+    assert all(m.training for m in model.modules() if m is not model.model.embed_tokens)
+    assert {(t.device.type, t.dtype) for t in model.parameters()} == {("cpu", torch.float64)}
+    assert model.generation_config.to_dict() == generation
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, values[key]), key
+
+
+def test_the_model_is_handed_back_on_its_own_tensors_wherever_the_evaluation_moved_it(tmp_path, tiny_tokenizer):
+    """On a GPU machine the evaluation plays a CPU model on the GPU (`hf_generator`'s device); here it moves it to
+    the meta device, which holds no values: the model comes back on the CPU with every value."""
+    from hgpo_trl.config import HGPOConfig
+
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2)
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    args = HGPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with evaluate.callers_state_kept(model):
+        players.hf_generator(model, tiny_tokenizer, args, 0.0, device="meta")
+        assert {t.device.type for t in model.state_dict().values()} == {"meta"}
+    assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, values[key]), key
 
 
 def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_plays(tmp_path, tiny_tokenizer,
