@@ -143,13 +143,16 @@ def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, Mode
     return env_args, args, model_args
 
 
-def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -> tuple:
+def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str, args: HGPOConfig | None = None
+                   ) -> tuple:
     """The `extra` dataclasses (a command's own options), then `EnvArguments`, `HGPOConfig` and `ModelConfig`,
-    from a YAML config (`--config`) and command-line overrides, checked as `parse` documents."""
+    from a YAML config (`--config`) and command-line overrides, checked as `parse` documents. `args`: an
+    HGPOConfig already built (evaluate_model's), returned as it is; the other sections are parsed and checked by
+    the same rules."""
     from hgpo_trl.config import HGPOConfig
 
     argv = with_full_help(list(sys.argv[1:] if argv is None else argv))
-    sections = (*extra, EnvArguments, HGPOConfig, ModelConfig)
+    sections = (*extra, EnvArguments, *((HGPOConfig,) if args is None else ()), ModelConfig)
     config: dict[str, Any] = {}
     if "--config" in argv:
         if argv.index("--config") + 1 == len(argv):
@@ -162,9 +165,10 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str) -
     options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
     check_known([a.split("=")[0] for a in argv if a.startswith("--")], options, "the command line", prog)
     try:
-        *parsed, env_args, args, model_args = parser.parse_args_and_config(args=argv)
+        *parsed, model_args = parser.parse_args_and_config(args=argv)
     except (ValueError, TypeError) as err:
         raise ConfigError(str(err)) from None
+    *parsed, env_args, args = parsed if args is None else (*parsed, args)
     check_sections(env_args, args)
     warn_unread_options(args.estimator, user_keys(argv, config), argv)
     return *parsed, env_args, args, model_args

@@ -46,12 +46,9 @@ from hgpo_trl.arguments import (
     EnvArguments,
     EvalArguments,
     check_model_path,
-    check_sections,
     did_you_mean,
     entry_point_scope,
-    import_env_modules,
     parse_sections,
-    requested_env_modules,
 )
 from hgpo_trl.cli import check_environment, load_tasks
 from hgpo_trl.config import HGPOConfig
@@ -103,9 +100,12 @@ class EvaluationResult:
         return rows[0]["success_rate"]["mean"]
 
 
-def prepare(argv: list[str] | None = None, model_in_memory: bool = False) -> Evaluation:
-    """Parse and check the command line; every problem is a ConfigError naming it, raised before any model loads."""
-    return checked(*parse_sections(cpu_overrides(argv), (EvalArguments,), "evaluate.py"), model_in_memory)
+def prepare(argv: list[str] | None = None, model_in_memory: bool = False, args: HGPOConfig | None = None
+            ) -> Evaluation:
+    """Parse and check the command line; every problem is a ConfigError naming it, raised before any model loads.
+    `args`: evaluate_model's HGPOConfig, which the command line then does not set (nor turn vLLM off in)."""
+    argv = cpu_overrides(argv) if args is None else argv
+    return checked(*parse_sections(argv, (EvalArguments,), "evaluate.py", args), model_in_memory)
 
 
 def checked(eval_args: EvalArguments, env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig,
@@ -267,13 +267,10 @@ def evaluate_model(model_or_path: Any = None, config: str | os.PathLike | HGPOCo
         raise ConfigError(f"evaluate_model: {', '.join(own)}: set HGPOConfig fields on the HGPOConfig given as "
                           "config (or give a YAML file)")
     check_options(options, (EvalArguments, EnvArguments, ModelConfig, *(() if object_config else (HGPOConfig,))))
-    with entry_point_scope():
-        if object_config:
-            evaluation = prepare_with_config(config, options, name, in_memory)
-        else:
-            argv = [*(["--config", str(config)] if config is not None else []),
-                    *(["--model_name_or_path", name] if name is not None else []), *command_line(options)]
-            evaluation = prepare(argv, model_in_memory=in_memory)
+    with entry_point_scope():  # (one parse for both kinds of config: the options are checked by the same rules)
+        argv = [*(["--config", str(config)] if config is not None and not object_config else []),
+                *(["--model_name_or_path", name] if name is not None else []), *command_line(options)]
+        evaluation = prepare(argv, in_memory, config if object_config else None)
         evaluation.model = (model_or_path, tokenizer) if in_memory else None
         with callers_state_kept(model_or_path if in_memory else None):
             report = run(evaluation)
@@ -304,19 +301,6 @@ def callers_state_kept(model: Any = None) -> Iterator[None]:
                 grad.data, tensor.grad = grad_data, grad
         for module, training in modes:
             module.train(training)
-
-
-def prepare_with_config(args: HGPOConfig, options: dict[str, Any], name: str | None, in_memory: bool) -> Evaluation:
-    """evaluate_model's HGPOConfig path: `options` into the other sections, checked as the command line's are
-    (its env_modules imported first, as the parser imports them)."""
-    import_env_modules(requested_env_modules([], options))
-    sections = {s: s(**{k: v for k, v in options.items() if k in field_names(s)})
-                for s in (EvalArguments, EnvArguments, ModelConfig)}
-    if name is not None:
-        sections[ModelConfig].model_name_or_path = name
-    check_sections(sections[EnvArguments], args)
-    return checked(sections[EvalArguments], sections[EnvArguments], args, sections[ModelConfig],
-                   model_in_memory=in_memory)
 
 
 def command_line(options: dict[str, Any]) -> list[str]:

@@ -439,6 +439,52 @@ def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_
         assert "\n" not in str(error.value)
 
 
+# evaluate_model's options that its YAML path refuses, each in one line (a pattern of the line).
+BAD_OPTIONS = [
+    ({"seeds": ["one"]}, r"argument --seeds: invalid int value: 'one'"),
+    ({"seeds": [1.5]}, r"argument --seeds: invalid int value: '1.5'"),
+    ({"seeds": []}, r"argument --seeds: expected at least one argument"),
+    ({"seeds": [1, 1]}, r"seeds must be one or more distinct integers"),
+    ({"greedy": "maybe"}, r"argument --greedy: Truthy value expected: got maybe"),
+    ({"num_envs": 2.5}, r"argument --num_envs.*: invalid int value: '2.5'"),
+    ({"num_envs": 0}, r"num_envs must be None or an integer >= 1, got 0"),
+    ({"episodes_per_seed": "many"}, r"argument --episodes_per_seed.*: invalid int value: 'many'"),
+    ({"policy": ["smart"]}, r"policy must be one or more of"),
+    ({"splits": ["valid_seen"]}, r"has no split 'valid_seen'"),
+    ({"splits": ["valid", None]}, r"^evaluate_model: splits: a list cannot hold None"),
+    ({"num_eval_tasks": 0}, r"^EnvArguments.num_eval_tasks must be an integer >= 1, got 0$"),
+    ({"task_kwargs": "{num_rooms: 3"}, r"^EnvArguments.task_kwargs must be a mapping such as"),
+]
+# Options given as the command line writes them: read as it reads them.
+TEXT_OPTIONS = {"seeds": "1", "num_envs": "2", "policy": "random", "splits": "valid", "num_eval_tasks": "2",
+                "greedy": "yes", "episodes_per_seed": "4"}
+
+
+def test_evaluate_model_checks_options_by_one_rule_with_a_yaml_file_or_an_hgpo_config(tmp_path, monkeypatch):
+    """The same options, the same errors (or the same reading) whichever config holds the training settings."""
+    from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.evaluate import evaluate_model
+
+    played = []
+    monkeypatch.setattr(evaluate, "run", lambda evaluation: played.append(evaluation) or {})
+    yaml_file = config(tmp_path, KEYDOOR)
+    args = HGPOConfig(output_dir=str(tmp_path / "run"), env_name="keydoor", action_mode="plain", max_env_steps=4,
+                      max_completion_length=4, use_cpu=True, report_to="none", disable_tqdm=True)
+    keydoor = {"num_eval_tasks": 3, "task_kwargs": {"num_rooms": 3, "num_colors": 3}}  # (the YAML file's)
+    for options, message in BAD_OPTIONS:
+        errors = []
+        for config_given, given in ((yaml_file, options), (args, {**keydoor, **options})):
+            with pytest.raises(ValueError) as error:
+                evaluate_model("tiny", config_given, **given)
+            errors.append(str(error.value))
+        assert errors[0] == errors[1] and re.search(message, errors[0]) and "\n" not in errors[0], (options, errors)
+    assert not played
+    evaluate_model("tiny", yaml_file, **TEXT_OPTIONS)
+    evaluate_model("tiny", args, **{**keydoor, **TEXT_OPTIONS})
+    [ours, theirs] = [(e.eval_args, e.env_args.num_eval_tasks, e.tasks) for e in played]
+    assert ours == theirs and ours[0].seeds == [1] and ours[0].policy == ["random"] and ours[0].greedy is True
+
+
 def test_command_line_writes_a_list_item_as_a_single_value():
     assert evaluate.command_line({"task_kwargs": {"a": 1}, "greedy": True, "items": [{"a": 1}, False, 2]}) == [
         "--task_kwargs", '{"a": 1}', "--greedy", "true", "--items", '{"a": 1}', "false", "2"]
