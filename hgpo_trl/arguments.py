@@ -86,6 +86,10 @@ class RehearsalArguments:
                                         "cache's, offline, for model_name_or_path)."})
     gpu_memory_gib: float = field(
         default=80.0, metadata={"help": "--rehearse: the memory of one GPU of the real run, in GiB."})
+    host_memory_gib: float | None = field(
+        default=None, metadata={"help": "--rehearse: the memory of one machine of the real run, in GiB (default: "
+                                        "this machine's, when it has a GPU for each process of a machine; else "
+                                        "the host memory is projected, not checked)."})
 
 
 PAPER_SEEDS = (123, 456, 789)  # the released validation seeds

@@ -24,12 +24,13 @@ from hgpo_trl.rehearsal.projection import (
     Workload,
     calibration,
     gpu_seconds_bound,
+    host_verdict,
     layer_elements_per_token,
     lora_parameters,
     project_memory,
     verdict,
 )
-from hgpo_trl.rehearsal.rehearse import CPU_OPTIONS, passed, user_value, without_own_options
+from hgpo_trl.rehearsal.rehearse import CPU_OPTIONS, passed, this_host_gib, user_value, without_own_options
 from hgpo_trl.rehearsal.report import iteration_counters, projected_prompt_tokens, table, trained_once
 from hgpo_trl.rehearsal.shapes import SHAPES
 
@@ -220,6 +221,34 @@ def test_the_verdict_names_the_field_to_change():
         .startswith("fits:")
 
 
+def test_the_host_verdict_covers_the_offloads_and_the_load_and_names_the_field_to_change():
+    big = SHAPES["Qwen/Qwen2.5-7B-Instruct"]
+    n = big.parameters
+    # The paper's 7B launch: 4 processes a machine, ZeRO-3 with both offloads, dtype float32, the KL reference.
+    paper, work = Placement(4, 3, offload_optimizer=True, offload_param=True), Workload(8, 1057, 512, vllm_share=0.6)
+    roomy = project_memory(big, paper, work, host_gib=256)
+    assert roomy.host_need == pytest.approx((12 + 4 + 2 + 2) * n / GIB)  # the offloads, 141.9 GiB, their peak
+    assert roomy.load == pytest.approx(4 * 2 * 4 * n / 4 / GIB)  # zero.Init: each process's partition of both models
+    assert host_verdict(roomy, big, paper, work) == "fits: 141.9 of 256 GiB per machine (114.1 GiB spare)"
+    assert host_verdict(project_memory(big, paper, work), big, paper, work).startswith(
+        "not checked: 141.9 GiB per machine at its peak (the offloads); give --host_memory_gib")
+    short = project_memory(big, paper, work, host_gib=128)
+    assert short.fits and not short.host_fits
+    assert host_verdict(short, big, paper, work) == (
+        "does not fit: 141.9 of 128 GiB per machine at its peak (the offloads), 13.9 GiB over; set "
+        "offload_param_device: none (the accelerate file)")
+    # Without zero.Init each process builds its model whole on the CPU, and under DeepSpeed the reference beside it.
+    whole = dataclasses.replace(paper, zero3_init=False)
+    loading = project_memory(big, whole, work, host_gib=200)
+    assert loading.load == pytest.approx(4 * 2 * 4 * n / GIB) and loading.host_need == loading.load  # 227.0 GiB
+    assert host_verdict(loading, big, whole, work).endswith(
+        "at its peak (loading), 27.0 GiB over; set dtype: bfloat16 or zero3_init_flag: true (the accelerate file)")
+    # Plain DDP moves the policy to its GPU before TRL loads the reference: one model at a time.
+    ddp = project_memory(SHAPES["Qwen/Qwen2.5-1.5B-Instruct"], Placement(8, 0), work, host_gib=40)
+    assert ddp.load == pytest.approx(8 * 4 * N15 / GIB) and not ddp.host_fits  # 46.0 GiB
+    assert this_host_gib(processes_per_machine=1) is None  # no GPU here: this host says nothing of the target's
+
+
 def test_lora_and_the_time_bound_by_hand():
     shape = SHAPES["Qwen/Qwen2.5-1.5B-Instruct"]
     # q_proj (1536 -> 1536) and v_proj (1536 -> 256) of 28 layers at rank 16.
@@ -307,6 +336,7 @@ def rehearse_in_a_subprocess(config: str, out: Path, *options: str) -> tuple[dic
     assert [r["iteration"] for r in report["iterations"]] == [1, 2, 3]
     assert "check: every collected step trained once           yes" in done.stdout
     assert report["projection"]["verdict"] and "GPU per device" in done.stdout
+    assert report["projection"]["host_verdict"] in done.stdout  # (not checked: no GPU here)
     return report, done.stdout
 
 

@@ -54,6 +54,10 @@ class LaunchFile:
         return str(self.deepspeed.get(f"offload_{what}_device", "none")).lower() not in ("none", "")
 
     @property
+    def zero3_init(self) -> bool:  # accelerate's zero3_init_flag, on by default at ZeRO-3
+        return str(self.deepspeed.get("zero3_init_flag", True)).lower() == "true"
+
+    @property
     def bf16(self) -> bool:
         return str(self.settings.get("mixed_precision", "no")) == "bf16"
 

@@ -1,5 +1,6 @@
 """What the real run needs, projected from the rehearsal's measurements and the real model's shape: GPU memory per
-device by part, host memory where DeepSpeed offloads, and a lower bound on an iteration's GPU time.
+device by part, host memory per machine (loading the model, and DeepSpeed's offloads), and a lower bound on an
+iteration's GPU time.
 
 An estimate with stated assumptions, not a measurement (no GPU ever ran this). Per parameter (N of them; N_t
 trainable, all of them without LoRA), on each of the P data-parallel processes:
@@ -24,7 +25,15 @@ stage 1 only with `grad_accum_dtype: fp32`: not modelled.)
 `offload_optimizer_device: cpu` moves the optimizer states and an fp32 copy of the gradients (4 x N_t / P) to host
 memory; `offload_param_device: cpu` (ZeRO-3) the weight and reference partitions, leaving the gathered working
 set on the GPU (two layers and the largest matrix, the embedding). Colocated vLLM holds `vllm_gpu_memory_utilization` of the GPU (weights and KV cache) unless
-`vllm_enable_sleep_mode` frees it while training. Activations are those of one micro-batch (only one is alive),
+`vllm_enable_sleep_mode` frees it while training.
+
+Host memory per machine peaks at one of two times, which never overlap (DeepSpeed moves the loaded weights to the
+GPU before it allocates what it offloads): the offloads above, or loading, when every process builds its model on
+the CPU in `dtype` (hgpo_trl/cli.py `load_model`), whole, or its 1 / P partition under ZeRO-3's zero.Init
+(accelerate's `zero3_init_flag`, on by default at stage 3; a warm start loads it whole); under DeepSpeed the
+policy waits there for `deepspeed.initialize` while TRL loads the KL reference beside it (transformers' Trainer
+moves a plain DDP policy to its GPU first: `place_model_on_device`). Not counted: each process's libraries and
+CUDA context, and the environment workers. Activations are those of one micro-batch (only one is alive),
 padded to its longest row: per token, the structural count of `layer_elements_per_token` times a factor
 calibrated on `benchmarks/scale.py`'s measurement (Qwen2.5-0.5B shape, float32, 4 rows of 439 + 64 tokens,
 checkpointing off; docs/results.md); TRL's fused LM head adds its tile buffers, never the whole logits. A CUDA
@@ -63,6 +72,7 @@ class Placement:
     offload_param: bool = False
     bf16: bool = True  # mixed precision bf16 (bf16 compute over `dtype` master weights)
     processes_per_machine: int | None = None  # None: all on one machine
+    zero3_init: bool = True  # ZeRO-3 builds the model partitioned (accelerate's zero3_init_flag)
     deepspeed: bool | None = None  # None: DeepSpeed when zero_stage > 0 (a ZeRO-0 file says True)
 
     @property
@@ -82,6 +92,7 @@ class Workload:
     trainable: int | None = None  # None: every parameter (no LoRA)
     weight_bytes: int = 4  # `dtype`: 4 float32, 2 bfloat16
     vllm_share: float = 0.0  # vllm_gpu_memory_utilization held through training (0: no vLLM, or sleep mode)
+    warm_start: bool = False  # warmstart_steps > 0: the model loads whole, ZeRO-3 too
 
 
 @dataclass
@@ -90,6 +101,8 @@ class MemoryProjection:
     host: dict[str, float]  # GiB per machine, by part
     gpu_gib: float  # the device's size
     assumptions: list[str] = field(default_factory=list)
+    load: float = 0.0  # GiB per machine while the processes load their models
+    host_gib: float | None = None  # a machine's memory (None: unknown)
 
     @property
     def gpu_total(self) -> float:
@@ -102,6 +115,15 @@ class MemoryProjection:
     @property
     def fits(self) -> bool:
         return self.gpu_total <= self.gpu_gib
+
+    @property
+    def host_need(self) -> float:
+        """A machine's host memory at its peak: loading or the offloads (see the module docstring)."""
+        return max(self.host_total, self.load)
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_gib is None else self.host_need <= self.host_gib
 
 
 def layer_elements_per_token(shape: ModelShape, gradient_checkpointing: bool) -> int:
@@ -149,7 +171,8 @@ def lora_parameters(shape: ModelShape, rank: int, targets: list[str] | str | Non
     return shape.layers * rank * sum(sizes[n] for n in names)
 
 
-def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib: float = 80.0) -> MemoryProjection:
+def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib: float = 80.0,
+                   host_gib: float | None = None) -> MemoryProjection:
     """GPU memory per device and host memory per machine of the real run (see the module docstring)."""
     n, p = shape.parameters, place.processes
     trainable = n if work.trainable is None else work.trainable
@@ -178,6 +201,8 @@ def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib:
         host["weights"] = n * compute / p * per_machine / GIB
         host["KL reference"] = reference * per_machine / GIB
         weights, reference = 2 * layer + largest, 0
+    whole = stage < 3 or not place.zero3_init or work.warm_start
+    load = per_machine * (1 + (work.reference and deepspeed)) * n * work.weight_bytes / (1 if whole else p) / GIB
     layers, head = activation_gib(shape, work, place.bf16)
     gpu = {"weights": weights / GIB, "gradients": (grads + master) / GIB, "optimizer states": optimizer / GIB,
            "KL reference": reference / GIB, "vLLM": work.vllm_share * gpu_gib, "activations (layers)": layers,
@@ -192,7 +217,8 @@ def project_memory(shape: ModelShape, place: Placement, work: Workload, gpu_gib:
         f"{'on' if work.gradient_checkpointing else 'off'}, layer activations x{calibration():.2f} "
         "(calibrated on benchmarks/scale.py)",
     ]
-    return MemoryProjection(gpu=gpu, host=host, gpu_gib=gpu_gib, assumptions=assumptions)
+    return MemoryProjection(gpu=gpu, host=host, gpu_gib=gpu_gib, assumptions=assumptions, load=load,
+                            host_gib=host_gib)
 
 
 def verdict(projection: MemoryProjection, shape: ModelShape, place: Placement, work: Workload) -> str:
@@ -219,6 +245,33 @@ def verdict(projection: MemoryProjection, shape: ModelShape, place: Placement, w
     hint = (f"; set {' or '.join(fixes)}" if fixes else
             "; no one field fits it: more GPUs, a higher ZeRO stage or CPU offload (an accelerate file)")
     return f"does not fit: {total:.1f} of {size:.0f} GiB per GPU, {total - size:.1f} GiB over{hint}"
+
+
+def host_verdict(projection: MemoryProjection, shape: ModelShape, place: Placement, work: Workload) -> str:
+    """One line: a machine's host memory at its peak against `host_gib`: fits, not checked, or by how much it does
+    not and the changes (each projected again, the GPUs still fitting if they did) that fit."""
+    need, size = projection.host_need, projection.host_gib
+    peak = "loading" if projection.load > projection.host_total else "the offloads"
+    if size is None:
+        return (f"not checked: {need:.1f} GiB per machine at its peak ({peak}); give --host_memory_gib, the memory "
+                "of one machine of the real run")
+    if need <= size:
+        return f"fits: {need:.1f} of {size:.0f} GiB per machine ({size - need:.1f} GiB spare)"
+    replace = dataclasses.replace
+    changes = [("dtype: bfloat16", place, replace(work, weight_bytes=2))] if work.weight_bytes > 2 else []
+    if place.zero_stage == 3 and not place.zero3_init and not work.warm_start:
+        changes.append(("zero3_init_flag: true (the accelerate file)", replace(place, zero3_init=True), work))
+    if place.zero_stage == 3 and place.offload_param:
+        changes.append(("offload_param_device: none (the accelerate file)", replace(place, offload_param=False), work))
+    if place.offload_optimizer:
+        changes.append(("offload_optimizer_device: none (the accelerate file)", replace(place, offload_optimizer=False),
+                        work))
+    fixes = [name for name, changed_place, changed_work in changes
+             if (again := project_memory(shape, changed_place, changed_work, projection.gpu_gib, size)).host_fits
+             and (again.fits or not projection.fits)]
+    hint = (f"; set {' or '.join(fixes)}" if fixes else
+            "; no one field fits it: a machine with more memory, or fewer processes on each (more machines)")
+    return f"does not fit: {need:.1f} of {size:.0f} GiB per machine at its peak ({peak}), {need - size:.1f} GiB over{hint}"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from hgpo_trl.rehearsal.projection import (
     Placement,
     Workload,
     gpu_seconds_bound,
+    host_verdict,
     lora_parameters,
     project_memory,
     verdict,
@@ -52,7 +53,7 @@ from hgpo_trl.rehearsal.report import (
 from hgpo_trl.rehearsal.shapes import ModelShape
 
 CPU_OPTIONS = ["--use_vllm", "false", "--bf16", "false", "--use_cpu", "true"]
-OWN_OPTIONS = {"--rehearse": 0, "--rehearse_tokenizer": 1, "--gpu_memory_gib": 1}
+OWN_OPTIONS = {"--rehearse": 0, "--rehearse_tokenizer": 1, "--gpu_memory_gib": 1, "--host_memory_gib": 1}
 
 
 def without_own_options(argv: list[str]) -> list[str]:
@@ -122,6 +123,7 @@ class Rehearsal:
     shape: ModelShape | None  # None: a tiny model config (nothing to project)
     folder: Path
     gpu_gib: float
+    host_gib: float | None  # None: not checked
 
     @property
     def run_dir(self) -> Path:
@@ -189,8 +191,25 @@ def prepare(argv: list[str]) -> tuple[Rehearsal, Any]:
     evaluates = env_args.eval_split is not None and any(c.name == "eval_every_iterations" for c in changes)
     folder = Path(f"{args.output_dir.rstrip('/')}-rehearsal")
     prepare_folder(folder)
+    host_gib = options.host_memory_gib if options.host_memory_gib is not None else this_host_gib(processes // machines)
     return Rehearsal(argv, config_file, launch_file, args, model_args, evaluates, changes, shape, folder,
-                     options.gpu_memory_gib), tokenizer
+                     options.gpu_memory_gib, host_gib), tokenizer
+
+
+def this_host_gib(processes_per_machine: int) -> float | None:
+    """This machine's memory in GiB (its cgroup's limit where lower) when it is one of the real run's kind, with a
+    CUDA GPU for each process of a machine; None on any other (a CPU host says nothing of the target's)."""
+    import torch
+
+    if torch.cuda.device_count() < processes_per_machine:
+        return None
+    sizes = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            sizes.append(int(Path(limit).read_text()))
+        except (OSError, ValueError):  # none, or "max"
+            pass
+    return min(sizes) / 2**30
 
 
 def passed(report: dict[str, Any]) -> bool:
@@ -253,7 +272,8 @@ def projection(plan: Rehearsal, report: dict[str, Any]) -> dict[str, Any]:
     place = Placement(processes=processes, zero_stage=launch_file.zero_stage,
                       offload_optimizer=launch_file.offloads("optimizer"), offload_param=launch_file.offloads("param"),
                       bf16=user_value(plan.argv, "bf16", None) is not False,
-                      processes_per_machine=processes // launch_file.machines, deepspeed=launch_file.uses_deepspeed)
+                      processes_per_machine=processes // launch_file.machines, deepspeed=launch_file.uses_deepspeed,
+                      zero3_init=launch_file.zero3_init)
     trainable = lora_parameters(shape, model_args.lora_r, model_args.lora_target_modules) if model_args.use_peft \
         else None
     work = Workload(micro_batch=micro, prompt_tokens=report["sizes"]["projected_prompt_tokens"],
@@ -261,8 +281,8 @@ def projection(plan: Rehearsal, report: dict[str, Any]) -> dict[str, Any]:
                     reference=args.beta != 0.0 and not model_args.use_peft, trainable=trainable,
                     weight_bytes=2 if model_args.dtype in ("bfloat16", "float16") else 4,
                     vllm_share=args.vllm_gpu_memory_utilization if colocated and not args.vllm_enable_sleep_mode
-                    else 0.0)
-    memory = project_memory(shape, place, work, plan.gpu_gib)
+                    else 0.0, warm_start=(user_value(plan.argv, "warmstart_steps", 0) or 0) > 0)
+    memory = project_memory(shape, place, work, plan.gpu_gib, plan.host_gib)
     # The largest iteration: every episode to its step limit, every completion to its cap.
     steps = args.tasks_per_device * processes * args.num_generations * args.max_env_steps
     accumulation = (args.mini_batch_size // (micro * processes) if args.mini_batch_size
@@ -275,7 +295,9 @@ def projection(plan: Rehearsal, report: dict[str, Any]) -> dict[str, Any]:
                          scored_tokens=passes * steps * (prompt_mean + completion),
                          trained_tokens=steps * (prompt_mean + completion) * args.num_iterations)
     return {"gpu": memory.gpu, "gpu_total": memory.gpu_total, "gpu_gib": plan.gpu_gib,
-            "verdict": verdict(memory, shape, place, work), "host": memory.host, "assumptions": memory.assumptions,
+            "verdict": verdict(memory, shape, place, work), "host": memory.host, "host_load": memory.load,
+            "host_gib": plan.host_gib, "host_verdict": host_verdict(memory, shape, place, work),
+            "assumptions": memory.assumptions,
             "iteration": load.__dict__, "iterations": args.train_iterations or 1,
             "gpu_seconds_bound": gpu_seconds_bound(shape, load, processes,
                                                    gradient_checkpointing=args.gradient_checkpointing)}

@@ -123,6 +123,8 @@ def table(report: dict[str, Any]) -> str:
         rows.append(("GPU per device", projection["verdict"]))
         for part, gib in projection["host"].items():
             rows.append((f"host: {part}", f"{gib:.1f} GiB per machine"))
+        rows.append(("host: loading", f"{projection['host_load']:.1f} GiB per machine, before the training state"))
+        rows.append(("host per machine", projection["host_verdict"]))
         load = projection["iteration"]
         rows.append(("largest iteration", f"<= {load['step_samples']:.0f} step samples, <= "
                                              f"{load['optimizer_steps']:.0f} optimizer steps, <= "
