@@ -277,8 +277,11 @@ def test_the_report_counts_dynamic_samplings_rollout_batches():
     report = {"run": {"config": "c.yaml", "accelerate_config": None, "processes": 2, "machines": 1,
                       "distribution": "DDP", "model": "m", "twin": "t"}, "launches": [], "iterations": [row],
               "checks": {}}
-    assert "24 steps collected, ? trained" in table(report) and \
-        "3 rollout batches (4 groups kept, 8 dropped)" in table(report)
+    # A fixed_budget run samples its steps: no trained counters, said as the checks say it (no "?").
+    assert "24 steps collected, trained n/a (fixed_budget samples the steps it trains), 2 optimizer steps" in \
+        table(report) and "3 rollout batches (4 groups kept, 8 dropped)" in table(report) and "?" not in table(report)
+    trained = {**row, "trained": 24, "trained_passes": 26, "duplicated": 2}
+    assert "24 steps collected, 24 trained (26 rows incl. 2 copies)" in table({**report, "iterations": [trained]})
 
 
 def test_trained_once_reads_the_counters():

@@ -96,9 +96,11 @@ def table(report: dict[str, Any]) -> str:
     for launch in report["launches"]:
         rows.append((f"launch {launch['name']}", f"{launch['wall_s']:.0f} s"))
     for row in report["iterations"]:
+        # fixed_budget samples the steps it trains: no counters of what reached the loss (its check says n/a too)
+        trained = (f"{row['trained']} trained ({row.get('trained_passes', 0)} rows incl. {row.get('duplicated', 0)} "
+                   "copies)" if "trained" in row else "trained n/a (fixed_budget samples the steps it trains)")
         rows.append((f"iteration {row['iteration']}",
-                     f"{row.get('collected', '?')} steps collected, {row.get('trained', '?')} trained "
-                     f"({row.get('trained_passes', '?')} rows incl. {row.get('duplicated', 0)} copies), "
+                     f"{row.get('collected', 0)} steps collected, {trained}, "
                      f"{row.get('optimizer_steps', 0):.0f} optimizer steps, padding "
                      f"{100 * row.get('padded_fraction', 0):.0f} %" + (
                          f", {row['rollout_batches']:.0f} rollout batches ({row['groups_kept']:.0f} groups kept, "
