@@ -28,10 +28,16 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from hgpo_trl.envs.base import TextEnv
+
+# What the main process sends a worker it stops (a timeout, close): not SIGTERM, which a scheduler sends every
+# process of a job while the main process finishes its iteration.
+STOP_SIGNAL = signal.SIGUSR1
 
 
 @dataclass
@@ -180,10 +186,12 @@ class InProcessEnvs(_Batch):
 def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], TextEnv],
            indices: Sequence[int]) -> None:
     """A worker's loop: (command, [(index, argument)]) in, [StepResult] out; None or a closed pipe ends it."""
-    # Ctrl-C reaches the whole process group; the main process decides when the workers stop.
+    # Ctrl-C reaches the whole process group, a scheduler's SIGTERM every process of the job: the main process
+    # decides when the workers stop (it finishes its iteration first: hgpo_trl.interrupts).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # terminate() after a timeout: still close the environments (and any processes of theirs) below.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The main process's own stop after a timeout (_stop): still close the environments (and their processes).
+    signal.signal(STOP_SIGNAL, lambda *_: sys.exit(1))
     envs = _Envs(factory, indices)
     try:
         while (message := conn.recv()) is not None:
@@ -223,12 +231,17 @@ def _stop(workers: list[_Worker], grace: float) -> None:
     deadline = time.monotonic() + grace
     for worker in workers:
         worker.process.join(max(0.0, deadline - time.monotonic()))
-        for end in (worker.process.terminate, worker.process.kill):
+        for end in (partial(_ask_to_stop, worker.process), worker.process.kill):
             if worker.process.is_alive():
                 end()
                 worker.process.join(1.0)
         worker.conn.close()
     workers.clear()
+
+
+def _ask_to_stop(process: multiprocessing.process.BaseProcess) -> None:
+    with suppress(ProcessLookupError):  # (it ended meanwhile)
+        os.kill(process.pid, STOP_SIGNAL)
 
 
 def default_num_workers(local_processes: int = 1) -> int:

@@ -10,6 +10,9 @@ Three sections, all top-level keys of the YAML: `EnvArguments` (below), `HGPOCon
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
+import signal
 import sys
 import time
 from functools import partial
@@ -135,18 +138,23 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
         trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     except ResumeError as err:  # refused before any step
         raise ConfigError(str(err)) from None
-    trainer.save_model(args.output_dir)  # before the final evaluation: nothing trained is lost if it fails
+    stopped = trainer.signal_stop.signal_name  # a signal's stop: its checkpoint, no final save or evaluation
+    if not stopped:
+        trainer.save_model(args.output_dir)  # before the final evaluation: nothing trained is lost if it fails
     before = start_evaluation(trainer.state.log_history)
     # The cadence may just have evaluated these weights (eval_every_iterations evaluates after the last iteration).
     last = next((h for h in reversed(trainer.state.log_history) if "eval_success_rate" in h), {})
     fresh = last.get("step") == trainer.state.global_step and not args.load_best_model_at_end
-    after = (last if fresh else trainer.evaluate()) if eval_tasks is not None else {}
-    trainer.create_model_card()  # again, now with the final evaluation
+    after = (last if fresh or stopped else trainer.evaluate()) if eval_tasks is not None else {}
+    if not stopped:
+        trainer.create_model_card()  # again, now with the final evaluation
     summary = {
         "success_rate_start": before.get("eval_success_rate"),
         "success_rate_end": after.get("eval_success_rate"),
         "iterations": trainer.completed_iterations,
         "stopped_early": trainer.early_stop.reason,  # None: every train_iteration ran
+        # A signal's stop: which signal, and the checkpoint that resumes the run.
+        "stopped_by_signal": stopped, "checkpoint": trainer.signal_stop.checkpoint if stopped else None,
         "optimizer_steps": trainer.state.global_step,
         # A resumed run: the runs it continues (each up to its checkpoint), then its own.
         "wall_seconds": round(sum(segments := trainer.clock.segments()), 1), "wall_seconds_segments": segments,
@@ -185,10 +193,36 @@ def main(argv: list[str] | None = None) -> None:
         except EnvironmentFaults as err:  # the environment kept failing: the message says what was saved
             print(f"train.py: {err}", file=sys.stderr)
             raise SystemExit(1) from None
+        except KeyboardInterrupt:  # before training, or a second signal during it
+            print(f"train.py: interrupted; nothing saved since the last checkpoint "
+                  f"({last_checkpoint(args.output_dir) or 'none'})", file=sys.stderr)
+            raise SystemExit(130) from None
+    if summary["stopped_by_signal"]:
+        print(f"train.py: stopped by {summary['stopped_by_signal']} after iteration {summary['iterations']}; "
+              f"checkpoint {summary['checkpoint']}; resume with: {resume_command(argv, summary['checkpoint'])}")
+        raise SystemExit(128 + getattr(signal, summary["stopped_by_signal"], signal.SIGTERM))
     early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
     print(f"validation success {rounded(summary['success_rate_start'])} -> {rounded(summary['success_rate_end'])} in "
           f"{summary['iterations']} iterations{early}, {summary['wall_seconds']:.0f} s; see "
           f"{args.output_dir}/summary.json")
+
+
+def last_checkpoint(output_dir: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    return get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+
+
+def resume_command(argv: list[str], checkpoint: str) -> str:
+    """The command line that continues this run from `checkpoint`: the same options, resume_from_checkpoint set."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.split("=")[0] == "--resume_from_checkpoint":
+            skip = not skip and "=" not in arg
+            continue
+        kept.append(arg)
+    launch = "accelerate launch [the same launch options]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "python"
+    return f"{launch} {shlex.join(['train.py', *kept, '--resume_from_checkpoint', checkpoint])}"
 
 
 def rounded(value: float | None) -> str:

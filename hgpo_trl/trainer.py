@@ -42,6 +42,7 @@ from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.evaluation import play_shared, validation_metrics
 from hgpo_trl.generation import generation_settings, trainer_rollout
+from hgpo_trl.interrupts import StopOnSignal
 from hgpo_trl.iterations import EarlyStop, FaultStreak, IterationCadence, IterationCount, iteration_schedule
 from hgpo_trl.loss_inputs import (
     all_steps_counts,
@@ -113,9 +114,9 @@ class HGPOTrainer(GRPOTrainer):
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
         check_trainer_inputs(args, eval_dataset is not None, self.accelerator.state.deepspeed_plugin.deepspeed_config
                              if self.is_deepspeed_enabled else None)
-        self.add_callback(IterationCadence(self))
-        self.early_stop = EarlyStop(self)
-        self.add_callback(self.early_stop)
+        self.early_stop, self.signal_stop = EarlyStop(self), StopOnSignal(self)
+        for callback in (IterationCadence(self), self.early_stop, self.signal_stop):  # (a signal's stop comes last:
+            self.add_callback(callback)                                              # it skips the evaluation)
         set_up_reporting(self)
 
     # ------------------------------------------------------------------ tasks and rollouts

@@ -64,11 +64,13 @@ def test_a_resume_in_a_later_pass_plays_that_pass_order(tmp_path, tiny_model, ti
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_a_killed_run_resumes_as_the_run_it_continues(tmp_path, processes, free_port):
-    """Killed (SIGKILL) after iteration 3 of 6, in the second pass over the tasks, then resumed: the same
-    parameters (bitwise on 1 process, within 1e-6 on 2), logged metrics (time aside), task order, samples and
-    trajectory dumps as the run never stopped."""
+@pytest.mark.parametrize(("processes", "stop"), [(1, ["signal=SIGINT"]), (2, ["signal=SIGTERM", "signal_rank=1"])],
+                         ids=["Ctrl-C, 1 process", "SIGTERM to rank 1 of 2"])
+def test_a_run_stopped_by_a_signal_resumes_as_the_run_it_continues(tmp_path, processes, stop, free_port):
+    """A signal during iteration 3 of 6 (in the second pass over the tasks; under 2 processes it reaches rank 1
+    alone): every process stops at the end of iteration 3 with a checkpoint there (the cadence saves every other
+    iteration), then the run resumes: the same parameters (bitwise on 1 process, within 1e-6 on 2), logged metrics
+    (time aside), task order, samples and trajectory dumps as the run never stopped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     launcher = [sys.executable] if processes == 1 else [
         str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
@@ -79,9 +81,10 @@ def test_a_killed_run_resumes_as_the_run_it_continues(tmp_path, processes, free_
                               capture_output=True, text=True, timeout=600)
 
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    killed = run(interrupted, f"straight={straight}", "kill_after=3")  # the straight run first, then the killed one
-    assert killed.returncode != 0 and (straight / "final.pt").is_file(), killed.stderr[-3000:]
-    assert [p.name for p in checkpoints(interrupted)] == [f"checkpoint-{i}" for i in (1, 2, 3)]
+    stopped = run(interrupted, f"straight={straight}", "signal_at=3", *stop)  # the straight run, then the stopped
+    assert stopped.returncode == 0 and (straight / "final.pt").is_file(), stopped.stderr[-3000:]
+    assert [p.name for p in checkpoints(interrupted)] == ["checkpoint-2", "checkpoint-3"]
+    assert not (interrupted / "final.pt").exists() and "stopped by" in stopped.stdout
     resumed = run(interrupted, "resume=1")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 

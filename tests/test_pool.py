@@ -226,3 +226,18 @@ def test_bad_arguments_and_batch_choice():
     assert default_num_workers(local_processes=10**6) == 1
     with make_env_batch(KEYDOOR, 1, num_workers=4) as pooled:
         assert isinstance(pooled, WorkerPoolEnvs) and pooled.num_workers == 1  # never more workers than envs
+
+
+def test_a_scheduler_s_sigint_or_sigterm_to_every_process_leaves_the_workers_playing(pool):
+    """A terminal's Ctrl-C reaches the whole process group, a scheduler's SIGTERM (SLURM) every process of the job:
+    the training process stops at the end of its iteration (hgpo_trl.interrupts), so the workers must play on
+    until then, not fault the iteration's episodes."""
+    before = multiprocessing.active_children()
+    batch = pool()
+    batch.reset([TASK] * 4)
+    for worker in new_children(before):
+        os.kill(worker.pid, signal.SIGINT)
+        os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.2)
+    results = batch.step(dict.fromkeys(range(4), GOLD_PATH[0]))
+    assert all(r.fault is None for r in results.values()) and batch.faults == 0

@@ -1,0 +1,86 @@
+"""Ctrl-C and SIGTERM during training (hgpo_trl.interrupts): the first stops the run at the end of the iteration
+being played, with a checkpoint there and one line that says how to resume; the resumed run continues from it."""
+
+import json
+import os
+import signal
+
+import pytest
+
+from hgpo_trl.trainer import HGPOTrainer
+from tests.test_cli import TINY_RUN, write
+
+RUN = TINY_RUN + "train_iterations: 4\nwarmstart_steps: 2\nwarmstart_batch_size: 8\nplots: false\n" \
+                 "save_every_iterations: 3\neval_every_iterations: 1\n"
+
+
+def signal_during(monkeypatch, iteration: int, number: int = signal.SIGINT) -> list[int]:
+    """Send `number` to this process as training iteration `iteration` starts its rollout (mid-iteration);
+    returns the iterations whose rollouts started, in order."""
+    started: list[int] = []
+    play = HGPOTrainer._play
+
+    def playing(self, tasks, group_size, temperature, description="rollout"):
+        if description == "rollout":  # (a training rollout, not an evaluation chunk)
+            started.append(self._iteration + 1)
+            if started[-1] == iteration and started.count(iteration) == 1:
+                os.kill(os.getpid(), number)
+        return play(self, tasks, group_size, temperature, description)
+
+    monkeypatch.setattr(HGPOTrainer, "_play", playing)
+    return started
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_mid_iteration_stops_at_its_end_with_a_checkpoint_and_the_resume_continues(
+        tmp_path, monkeypatch, capfd, number):
+    from hgpo_trl.cli import main
+
+    config = write(tmp_path, RUN)
+    started = signal_during(monkeypatch, 2, number)
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", config])
+    assert stop.value.code == 128 + number
+    out, err = capfd.readouterr()
+    name = signal.Signals(number).name
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert started == [1, 2] and checkpoint.is_dir()  # iteration 2 was finished, not cut: its checkpoint
+    assert f"[stop] {name}: the run stops when iteration 2 ends" in err
+    assert out.strip().splitlines()[-1] == (f"train.py: stopped by {name} after iteration 2; checkpoint {checkpoint}; "
+                                            f"resume with: python train.py --config {config} "
+                                            f"--resume_from_checkpoint {checkpoint}")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["iterations"], summary["stopped_by_signal"], summary["checkpoint"]) == (2, name, str(checkpoint))
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["log_history"]
+    assert [h.get("iteration", 0) for h in history if "eval_success_rate" in h] == [0, 1]  # none after iteration 2
+    assert signal.getsignal(number) is signal.default_int_handler or signal.getsignal(number) == signal.SIG_DFL
+
+    started.clear()
+    main(["--config", config, "--resume_from_checkpoint", str(checkpoint)])
+    assert started == [3, 4]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["iterations"], summary["stopped_by_signal"]) == (4, None)
+
+
+def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd):
+    from hgpo_trl.cli import main
+
+    started: list[int] = []
+    play = HGPOTrainer._play
+
+    def playing(self, tasks, group_size, temperature, description="rollout"):
+        if description == "rollout":  # (a training rollout, not an evaluation chunk)
+            started.append(self._iteration + 1)
+            if len(started) == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+        return play(self, tasks, group_size, temperature, description)
+
+    monkeypatch.setattr(HGPOTrainer, "_play", playing)
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", write(tmp_path, RUN)])
+    assert stop.value.code == 130 and started == [1, 2]
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-2] == "[stop] SIGINT again: stopping at once; nothing since the last checkpoint is saved"
+    assert err[-1] == "train.py: interrupted; nothing saved since the last checkpoint (none)"
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
