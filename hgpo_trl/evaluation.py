@@ -17,6 +17,7 @@ import numpy as np
 from hgpo_trl.collective import elementwise_process_sum
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TextEnv, make_env
+from hgpo_trl.outcomes import episode_totals, success_and_score
 from hgpo_trl.progress import progress_bar
 from hgpo_trl.rollout import Episode, Policy, Rollout, RolloutSettings, ScriptedPolicy, run_rollout
 from hgpo_trl.trajectories import TASK_TYPE_FIELDS, rollout_records, write_records
@@ -63,24 +64,13 @@ def play_shared(tasks: Sequence[Mapping[str, Any]], chunk_size: int,
     return dict(zip(totals, elementwise_process_sum(accelerator, list(totals.values())), strict=True)), records
 
 
-def episode_totals(episodes: Sequence[Episode]) -> dict[str, float]:
-    """Sums over `episodes`, which add up across seeds or processes: episodes, wins, reward, steps, invalid
-    outputs, environment faults, and the score and how many episodes the environment scored."""
-    return {"episodes": len(episodes), "won": sum(e.won for e in episodes),
-            "reward": sum(e.total_reward for e in episodes), "steps": sum(e.steps for e in episodes),
-            "invalid": sum(e.invalid for e in episodes), "faults": sum(e.fault is not None for e in episodes),
-            "score": sum(e.score or 0.0 for e in episodes), "scored": sum(e.score is not None for e in episodes)}
-
-
 def validation_metrics(totals: Mapping[str, float], prefix: str = "eval") -> dict[str, float]:
-    """The trainer's evaluation metrics from the totals over every process (`prefix`_success_rate, ...); the
-    score is the mean over the episodes the environment scored."""
+    """The trainer's evaluation metrics from the totals over every process: `prefix`_success_rate, _score and
+    _faulted as hgpo-eval reports them (`hgpo_trl.outcomes`), the episode's mean reward and length, the tasks."""
     count = max(totals["episodes"], 1.0)
-    metrics = {f"{prefix}_success_rate": totals["won"] / count, f"{prefix}_episode_reward": totals["reward"] / count,
-               f"{prefix}_episode_length": totals["steps"] / count, f"{prefix}_tasks": count}
-    if totals["scored"]:
-        metrics[f"{prefix}_score"] = totals["score"] / totals["scored"]
-    return metrics
+    return {**{f"{prefix}_{name}": value for name, value in success_and_score(totals).items()},
+            f"{prefix}_episode_reward": totals["reward"] / count, f"{prefix}_episode_length": totals["steps"] / count,
+            f"{prefix}_tasks": count}
 
 
 def seeded_env(seed: int, name: str, kwargs: Mapping[str, Any]) -> TextEnv:
@@ -127,14 +117,13 @@ def play_split(envs, tasks: Sequence[Mapping[str, Any]], player: Policy | Script
 
 
 def seed_outcome(seed: int, tasks: Sequence[Mapping[str, Any]], episodes: Sequence[Episode]) -> dict[str, Any]:
-    """One seed's row: success (an environment fault counts as a failure), score when the environment grades
-    outcomes, episode length, invalid outputs, faults, and success per task type when tasks have one."""
+    """One seed's row: success, faulted episodes and (when the environment grades outcomes) score, as
+    `hgpo_trl.outcomes` defines them, episode length, invalid outputs, and success per task type when tasks
+    have one."""
     totals = episode_totals(episodes)
-    row: dict[str, Any] = {"seed": seed, "success_rate": totals["won"] / totals["episodes"],
+    row: dict[str, Any] = {"seed": seed, **success_and_score(totals),
                            "episode_length": totals["steps"] / totals["episodes"],
-                           "invalid_rate": totals["invalid"] / max(totals["steps"], 1), "faults": totals["faults"]}
-    if totals["scored"]:  # (an unscored episode counts 0)
-        row["score"] = float(np.mean([e.score or 0.0 for e in episodes]))
+                           "invalid_rate": totals["invalid"] / max(totals["steps"], 1)}
     won = np.array([e.won for e in episodes], dtype=float)
     types = np.array([task_type(task) for task in tasks])
     if all(types):

@@ -10,6 +10,7 @@ import numpy as np
 
 from hgpo_trl.advantages import LevelStats, StepBatch
 from hgpo_trl.diagnostics import Bias, advantage_bias
+from hgpo_trl.outcomes import episode_totals, success_and_score
 from hgpo_trl.rollout import Rollout
 
 
@@ -65,15 +66,16 @@ def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray
     the batch, under estimator hgpo). `diagnostics`: add each estimator's bias against whole-history oracle
     groups (diag/*). A value that does not apply on this process is NaN."""
     episodes, steps = rollout.episodes, rollout.steps
-    scores = [e.score for e in episodes if e.score is not None]
+    outcome = success_and_score(episode_totals(episodes))
     local = {
         "env/success_rate": np.mean([e.won for e in episodes]),
         "env/episode_reward": np.mean([e.total_reward for e in episodes]),
         "env/episode_length": np.mean([e.steps for e in episodes]),
         "env/invalid_rate": np.mean([not s.valid for s in steps]) if steps else 0.0,
         "env/faults": sum(e.fault is not None for e in episodes),
-        # Environments that grade outcomes (WebShop's purchase score); NaN where none does (gathered by nanmean).
-        "env/score": float(np.mean(scores)) if scores else float("nan"),
+        # Environments that grade outcomes (WebShop's purchase score), over every episode as hgpo-eval reports it;
+        # NaN where none does (gathered by nanmean).
+        "env/score": outcome.get("score", float("nan")),
         "adv/mean": float(np.mean(advantages)) if steps else 0.0,
         "adv/std": float(np.std(advantages)) if steps else 0.0,
         "steps/collected": len(steps),

@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from hgpo_trl import entry_points, evaluate, players
-from hgpo_trl.envs import make_tasks
+from hgpo_trl.envs import KeyDoorEnv, keydoor_tasks, make_tasks, register_env
 from hgpo_trl.envs.alfworld import TASK_TYPES
 from hgpo_trl.tiny import build_tiny_model, save_tiny
 from tests.test_cli import sections_of
@@ -66,8 +66,8 @@ def test_tiny_model_on_keydoor_writes_json_and_markdown_per_seed(tmp_path, capsy
     assert [row["seed"] for row in result["seeds"]] == [1, 2]
     assert result["success_rate"] == pytest.approx({"mean": sum(rates) / 2, "std": abs(rates[0] - rates[1]) / 2})
     for row in result["seeds"]:
-        assert set(row) == {"seed", "success_rate", "episode_length", "invalid_rate", "faults"}
-        assert 1 <= row["episode_length"] <= 4 and 0 <= row["invalid_rate"] <= 1 and row["faults"] == 0
+        assert set(row) == {"seed", "success_rate", "episode_length", "invalid_rate", "faulted"}
+        assert 1 <= row["episode_length"] <= 4 and 0 <= row["invalid_rate"] <= 1 and row["faulted"] == 0
     assert "task_types" not in result and "score" not in result  # keydoor tasks have no type, no score
     lines = table.splitlines()
     assert "| policy | split | seed | tasks | success |" in lines
@@ -129,7 +129,7 @@ max_env_steps: 3
         assert sum(t["tasks"] for t in result["task_types"].values()) == 2
         assert set(result["seeds"][0]["task_types"]) == set(types)
         [row] = result["seeds"]
-        assert row["episode_length"] == 3 and row["invalid_rate"] == 0 and row["faults"] == 0
+        assert row["episode_length"] == 3 and row["invalid_rate"] == 0 and row["faulted"] == 0
     header = next(line for line in table.splitlines() if line.startswith("| policy"))
     assert all(t in header for r in results.values() for t in r["task_types"])
     assert "valid_unseen (out-of-distribution)" in table
@@ -292,6 +292,69 @@ def test_hgpo_eval_plays_the_same_games_as_the_trainers_evaluation(tmp_path, tin
            [(r["prompt"], r["output"]) for r in sorted(theirs, key=key)]
     assert metrics["eval_success_rate"] == 0.0 == json.loads(
         (tmp_path / "eval" / "evaluation.json").read_text())["results"][0]["success_rate"]["mean"]
+
+
+class GradedFlakyKeyDoor(KeyDoorEnv):
+    """Keydoor that grades every step 0.5 and fails on the first step of every odd-numbered task: those episodes
+    are faulted and unscored."""
+
+    def step(self, action):
+        if self._task_id % 2:
+            raise RuntimeError("injected: the game engine crashed")
+        observation, reward, terminated, truncated, info = super().step(action)
+        return observation, reward, terminated, truncated, {**info, "score": 0.5}
+
+
+def test_the_same_games_give_the_same_success_score_and_faults_in_every_report(tmp_path, tiny_model_path,
+                                                                                tiny_tokenizer, monkeypatch):
+    """One definition (hgpo_trl.outcomes): success = won / played, score = the mean over every episode with a
+    faulted (unscored) one counted 0, the faulted counted apart. The trainer's evaluate(), hgpo-eval,
+    evaluate_model and both dumps' summaries agree on games where one episode of three faults; a training
+    iteration's env/ metrics and its dump's summary agree too."""
+    import hgpo_trl.envs.registry as registry
+    from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.evaluate import evaluate_model
+    from hgpo_trl.trainer import HGPOTrainer
+    from hgpo_trl.trajectories import read_records, show_episode, summarize
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_env("graded_flaky_keydoor", GradedFlakyKeyDoor, keydoor_tasks, fast=True)
+    settings = {"env_name": "graded_flaky_keydoor", "action_mode": "plain", "max_env_steps": 4,
+                "max_completion_length": 4, "trajectory_dump_every": 1}
+    text = KEYDOOR.replace("env_name: keydoor\n", "") + "".join(f"{k}: {v}\n" for k, v in settings.items())
+    report, _ = evaluation(tmp_path, "--greedy", "--seeds", "1", model=tiny_model_path, text=text)
+    in_memory = evaluate_model(AutoModelForCausalLM.from_pretrained(tiny_model_path), config(tmp_path, text),
+                               tokenizer=tiny_tokenizer, greedy=True, seeds=[1], eval_output_dir=str(tmp_path / "m"))
+
+    tasks = make_tasks("graded_flaky_keydoor", "valid", num_rooms=3, num_colors=3).select(range(3))
+    args = HGPOConfig(output_dir=str(tmp_path / "trainer"), report_to="none", use_cpu=True, disable_tqdm=True,
+                      eval_temperature=0.0, per_device_train_batch_size=8, num_generations=2, train_iterations=1,
+                      save_strategy="no", **settings)
+    [faulty] = [i for i, task_id in enumerate(tasks["task_id"]) if task_id % 2]  # one task of the three
+    steady = next(i for i in range(3) if i != faulty)  # an iteration plays 2 tasks twice: 2 episodes of 4 fault
+    trainer = HGPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_model_path), args=args,
+                          processing_class=tiny_tokenizer, train_dataset=tasks.select([steady, faulty]),
+                          eval_dataset=tasks)
+    metrics = trainer.evaluate()  # (before training: the model hgpo-eval played)
+    [dump] = (tmp_path / "trainer" / "trajectories").glob("eval_*.jsonl")
+    trainer.train()
+    [log] = [h for h in trainer.state.log_history if "env/score" in h]
+    [iteration_dump] = (tmp_path / "trainer" / "trajectories").glob("iter_*.jsonl")
+
+    def numbers(source, prefix=""):
+        return {k: source[prefix + k] for k in ("success_rate", "score", "faulted")}
+
+    [row] = report["results"][0]["seeds"]
+    assert numbers(row)["score"] == pytest.approx(0.5 * 2 / 3) and row["faulted"] == 1
+    assert numbers(row) == numbers(in_memory.report["results"][0]["seeds"][0]) == numbers(metrics, "eval_") == \
+        numbers(summarize(read_records(dump))) == \
+        numbers(summarize(read_records(tmp_path / "eval" / "trajectories" / "model_valid_seed1.jsonl")))
+    records = read_records(dump)
+    [outcome] = [r for r in records if r["episode_fault"]]  # the faulted episode: its outcome, no step
+    assert outcome["t"] is None and "injected" in show_episode(records, outcome["episode"]).splitlines()[0]
+    played = summarize(read_records(iteration_dump))
+    assert log["env/faults"] == played["faulted"] > 0 and log["env/success_rate"] == played["success_rate"]
+    assert log["env/score"] == pytest.approx(played["score"]) == pytest.approx(0.5 * 2 / 4)  # 2 of 4 episodes faulted
 
 
 def test_results_go_beside_the_evaluated_model_and_never_over_an_earlier_one(tmp_path, tiny_model_path, capsys):

@@ -43,7 +43,8 @@ def trained_once(rows: list[dict[str, Any]], num_iterations: int) -> bool:
 def token_lengths(run_dir: Path) -> dict[str, Any]:
     """Prompt and completion tokens of every training step dumped (the real tokenizer's counts): mean, p95, max,
     and the mean prompt by step of the episode (its growth is the history's)."""
-    records = [r for path in sorted((run_dir / "trajectories").glob("iter_*.jsonl")) for r in read_records(path)]
+    records = [r for path in sorted((run_dir / "trajectories").glob("iter_*.jsonl")) for r in read_records(path)
+               if r["t"] is not None]  # (a faulted episode's outcome record holds no step)
     if not records:
         return {}
     prompt = np.array([r["prompt_tokens"] for r in records], dtype=float)
