@@ -136,7 +136,7 @@ def environment_corpus(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episode
 def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequence[Mapping[str, Any]], *,
                steps: int, history_length: int = 2, max_steps: int = 8, action_mode: str = "plain",
                format_instruction: str | None = None, batch_size: int = 64, learning_rate: float = 1e-3,
-               seed: int = 0, report_to: str | list[str] = "none", use_cpu: bool = True, progress: bool = False,
+               seed: int = 0, report_to: str | list[str] = "none", use_cpu: bool = False, progress: bool = False,
                output_dir: str | None = None, gradient_checkpointing: bool = True) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
     steps (about one pass over fresh pairs); return its metrics. With `progress`, one `[warm start]` line and,
@@ -165,7 +165,7 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     answer = (lambda a: a) if action_mode == "plain" else (lambda a: f"<think> </think><action>{a}</action>")
     dataset = sft_dataset(tokenizer, pairs, answer)
     bars = shows_bars(disabled=not progress)
-    with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch, data_parallel_only(use_cpu):
+    with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch, data_parallel_only():
         # One progress bar for the warm start; no per-step log dicts. The dataset comes tokenized (sft_dataset).
         config = SFTConfig(output_dir=output_dir or scratch, max_steps=steps, per_device_train_batch_size=batch_size,
                            learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
@@ -203,13 +203,15 @@ def without_deepspeed_config() -> Iterator[None]:
 
 
 @contextmanager
-def data_parallel_only(cpu: bool) -> Iterator[None]:
+def data_parallel_only() -> Iterator[None]:
     """The warm start trains under plain data parallelism (DDP, or one process), whatever the launch: under a
     DeepSpeed (or FSDP) launch its Trainer would take the launch's plugin, and accelerate refuses a second
     DeepSpeed Accelerator (the RL trainer's); a DeepSpeed engine, or FSDP, also keeps the model it wraps (ZeRO-3
     partitions it, and its hooks stay). Afterwards accelerate's state is cleared, so the next Trainer sets it up
-    afresh from the launch. The warm start is for small models, which data parallelism fits."""
+    afresh from the launch and its own use_cpu, and put back only where it was set up before (as it was). The warm
+    start is for small models, which data parallelism fits."""
     launched_with = {name: os.environ.get(name) for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")}
+    device_before = PartialState._shared_state.get("_cpu")  # None: accelerate not set up yet
     os.environ.update(dict.fromkeys(launched_with, "false"))
     try:
         with without_deepspeed_config():
@@ -221,7 +223,8 @@ def data_parallel_only(cpu: bool) -> Iterator[None]:
             else:
                 os.environ[name] = value
         AcceleratorState._reset_state(reset_partial_state=True)
-        PartialState(cpu=cpu)  # as the launch set it up (the process group stays)
+        if device_before is not None:  # as it was (the process group stays); not set up, the next Trainer does
+            PartialState(cpu=device_before)
 
 
 def sft_dataset(tokenizer, pairs: Sequence[tuple[str, str]], answer: Callable[[str], str]) -> Dataset:

@@ -68,11 +68,46 @@ def test_the_warm_start_runs_outside_the_launch_s_deepspeed_and_fsdp_and_restore
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     marker = object()
     monkeypatch.setattr(deepspeed, "_hf_deepspeed_config_weak_ref", marker)
-    with data_parallel_only(cpu=True):
+    with data_parallel_only():
         assert os.environ["ACCELERATE_USE_FSDP"] == os.environ["ACCELERATE_USE_DEEPSPEED"] == "false"
         assert deepspeed._hf_deepspeed_config_weak_ref is None
     assert os.environ["ACCELERATE_USE_FSDP"] == "true" and "ACCELERATE_USE_DEEPSPEED" not in os.environ
     assert deepspeed._hf_deepspeed_config_weak_ref is marker and PartialState().initialized
+
+
+@pytest.mark.parametrize("before", [None, True, False], ids=["not set up", "CPU", "accelerator"])
+def test_the_warm_start_leaves_accelerate_s_device_as_it_found_it(before):
+    """A warm start on the CPU (use_cpu=True) left accelerate's process-wide state set up for the CPU, and a trainer
+    built after it with use_cpu=False inherited the CPU: a GPU notebook that copied the README trained there. On
+    this machine the state object says it (its cpu flag), not a GPU."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    from hgpo_trl.warmstart import data_parallel_only
+
+    saved = dict(PartialState._shared_state), dict(AcceleratorState._shared_state)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        if before is not None:
+            PartialState(cpu=before)
+        with data_parallel_only():
+            pass
+        assert PartialState._shared_state.get("_cpu") is before  # None: not set up, as before
+        PartialState(cpu=False)  # what the trainer after it asks for (no GPU here: the flag is the check)
+        assert PartialState()._cpu is (before or False)
+    finally:
+        for state, kept in zip((PartialState._shared_state, AcceleratorState._shared_state), saved, strict=True):
+            state.clear()
+            state.update(kept)
+
+
+def test_the_warm_start_follows_the_machine_as_the_trainer_does():
+    """The default is TrainingArguments' (HGPOConfig's): the accelerator where one is visible, else the CPU."""
+    import inspect
+
+    from hgpo_trl.config import HGPOConfig
+
+    default = inspect.signature(warm_start).parameters["use_cpu"].default
+    assert default == HGPOConfig.__dataclass_fields__["use_cpu"].default is False
 
 
 class FlakyKeyDoor(KeyDoorEnv):
