@@ -1,4 +1,5 @@
-"""What `balance_steps` changes on real ALFWorld episode lengths, and what its row exchange costs.
+"""What `balance_steps` changes on real ALFWorld episode lengths, how its two partitions split the rows, and what
+its row exchange costs.
 
     python benchmarks/balance.py [--tasks 16] [--resamples 500] [--rows 2000]
 
@@ -9,7 +10,11 @@
    256; fill_last_micro_batch duplicate) the optimizer steps and the padding rows per iteration with task groups
    kept on their process and with rows balanced, and how unbalanced the processes are (the busiest one's rows
    over the mean).
-2. Launches 2 CPU processes (`accelerate launch`) that exchange `--rows` rows each, ALFWorld-sized (1,300 prompt
+2. On the same draws, each row's tokens (its prompt in Qwen2.5's chat template, plus a completion of 64-512
+   tokens drawn at random: the scripted player writes none), filled and split by each `balance_partition`: the
+   processes' token spread (global_seqlen/balanced_max - balanced_min), how alike the two partitions' optimizer
+   steps are (the Jaccard index of each step's rows over all processes), and the milliseconds a split takes.
+3. Launches 2 CPU processes (`accelerate launch`) that exchange `--rows` rows each, ALFWorld-sized (1,300 prompt
    and 100 completion tokens), through `hgpo_trl.balance.balanced_rows`, and prints the seconds it takes.
 """
 
@@ -37,13 +42,17 @@ GROUP = 8
 CONFIGS = {"ALFWorld 1.5B": dict(processes=2, micro=16, mini=256), "ALFWorld 7B": dict(processes=4, micro=8, mini=256)}
 
 
-def episode_lengths(num_tasks: int, seed: int = 0) -> np.ndarray:
-    """(num_tasks, GROUP) episode lengths of real ALFWorld train games under the expert-mixed player."""
+def play(num_tasks: int, seed: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Real ALFWorld train games under the expert-mixed player: (num_tasks, GROUP) episode lengths, and per task
+    group its rows' token counts in the released batch order (each trajectory's steps in turn)."""
     import random
+
+    from transformers import AutoTokenizer
 
     from hgpo_trl.actions import format_action
     from hgpo_trl.envs import make_env, make_tasks
     from hgpo_trl.envs.pool import WorkerPoolEnvs
+    from hgpo_trl.generation import encode_prompt
     from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
 
     data = os.environ.get("ALFWORLD_DATA") or str(ROOT.parent / "shared" / "data" / "alfworld")
@@ -62,7 +71,13 @@ def episode_lengths(num_tasks: int, seed: int = 0) -> np.ndarray:
                               scripted=True)
     finally:
         envs.close()
-    return np.array([e.steps for e in rollout.episodes]).reshape(num_tasks, GROUP)
+    tokenizer = AutoTokenizer.from_pretrained(ROOT.parent / "shared" / "data" / "qwen2.5-tokenizer")
+    completions = np.random.default_rng(seed).integers(64, 513, len(rollout.steps))
+    steps = sorted(zip(rollout.steps, completions, strict=True), key=lambda sc: (sc[0].traj, sc[0].step))
+    rows = [[] for _ in range(num_tasks)]
+    for s, completion in steps:
+        rows[s.group].append(len(encode_prompt(tokenizer, s.prompt)) + int(completion))
+    return np.array([e.steps for e in rollout.episodes]).reshape(num_tasks, GROUP), [np.array(r) for r in rows]
 
 
 def iteration_counts(rows_per_process: list[int], micro: int, mini: int, balanced: bool) -> tuple[int, int]:
@@ -102,6 +117,36 @@ def counts_report(lengths: np.ndarray, resamples: int) -> None:
               f"{shared[0]:.2f} steps, {shared[1]:.0f} padding rows; balancing removes "
               f"{100 * (1 - shared[0] / kept[0]):.0f} % of the optimizer steps and "
               f"{100 * (1 - shared[1] / max(kept[1], 1e-9)):.0f} % of the padding rows")
+
+
+def partition_report(group_rows: list[np.ndarray], resamples: int) -> None:
+    from hgpo_trl.balance import PARTITIONS, fill_rows, token_spread
+
+    rng = np.random.default_rng(0)
+    for name, config in CONFIGS.items():
+        processes, micro, mini = config["processes"], config["micro"], config["mini"]
+        spread, seconds, jaccard = {p: [] for p in PARTITIONS}, {p: 0.0 for p in PARTITIONS}, []
+        tokens = 0
+        for _ in range(resamples):
+            lengths = np.concatenate([group_rows[g] for g in rng.integers(0, len(group_rows), 16)])
+            lengths = lengths[fill_rows(len(lengths), micro * processes, "duplicate", rng)]
+            tokens += int(lengths.sum())
+            windows = {}
+            for partition, split in PARTITIONS.items():
+                tick = time.perf_counter()
+                sets = split(lengths, processes)
+                seconds[partition] += time.perf_counter() - tick
+                stats = token_spread(lengths, sets)
+                spread[partition].append(stats["global_seqlen/balanced_max"] - stats["global_seqlen/balanced_min"])
+                share = mini // processes  # each process's rows of one optimizer step
+                windows[partition] = [set(np.concatenate([s[w:w + share] for s in sets]).tolist())
+                                      for w in range(0, len(sets[0]), share)]
+            jaccard += [len(a & b) / len(a | b) for a, b in zip(*windows.values(), strict=True)]
+        per_process = tokens / resamples / processes
+        print(f"{name}: token spread over the processes (balanced_max - balanced_min), mean / max: " + "; ".join(
+            f"{p} {np.mean(v):.0f} / {np.max(v)} tokens ({seconds[p] / resamples * 1e3:.1f} ms a split)"
+            for p, v in spread.items()) + f" (a process holds ~{per_process:,.0f}); optimizer steps' rows, "
+              f"greedy vs karmarkar_karp: Jaccard {np.mean(jaccard):.2f} (min {np.min(jaccard):.2f})")
 
 
 def exchange_worker(rows: int, repeats: int) -> None:
@@ -153,8 +198,10 @@ def main() -> None:
         exchange_worker(options.rows, repeats=5)
         return
     start = time.perf_counter()
-    counts_report(episode_lengths(options.tasks), options.resamples)
+    lengths, group_rows = play(options.tasks)
+    counts_report(lengths, options.resamples)
     print(f"(played in {time.perf_counter() - start:.0f} s)")
+    partition_report(group_rows, options.resamples)
     exchange_report(options.rows)
 
 

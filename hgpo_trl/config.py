@@ -22,6 +22,7 @@ from hgpo_trl.advantages import ESTIMATORS, estimator_options
 from hgpo_trl.advantages.groups import DDOFS, NORMS
 from hgpo_trl.advantages.grpo import EPISODE_STATS
 from hgpo_trl.advantages.hgpo import WEIGHTINGS
+from hgpo_trl.balance import PARTITIONS
 from hgpo_trl.dynamic_sampling import TASK_CHOICES
 from hgpo_trl.envs.registry import invalid_tail_chars, prompt_has_format
 from hgpo_trl.fields import ESTIMATOR_FIELDS, HGPOFields
@@ -253,6 +254,7 @@ class HGPOConfig(HGPOFields, GRPOConfig):
             ("fill_last_micro_batch", self.fill_last_micro_batch in FILLS, f"one of {FILLS}"),
             ("balance_steps", not self.balance_steps or self.step_batching == "all_steps",
              "false under step_batching 'fixed_budget' (it shares out the rows of all_steps)"),
+            ("balance_partition", self.balance_partition in PARTITIONS, f"one of {tuple(PARTITIONS)}"),
             ("fill_multiple", self.fill_multiple is None or (self.fill_multiple >= 1 and self.fill_multiple
                                                              % self.per_device_train_batch_size == 0),
              f"None or a positive multiple of per_device_train_batch_size ({self.per_device_train_batch_size})"),

@@ -45,7 +45,8 @@ class HGPOFields:
                                          "batches."})
     max_rollout_batches: int = field(
         default=10, metadata={"help": "dynamic_sampling: rollout batches an iteration may play (released "
-                                      "max_num_gen_batches; 10, verl's default)."})
+                                      "max_num_gen_batches: 10 in verl-agent's ppo_trainer.yaml; the HGPO "
+                                      "recipe's config sets 0, with filter_groups off)."})
     dynamic_sampling_tasks: str = field(
         default="fresh", metadata={"help": "dynamic_sampling: the tasks of each extra batch: 'fresh' (new tasks "
                                            "from a seeded stream of their own, its position saved in checkpoints; "
@@ -74,6 +75,12 @@ class HGPOFields:
                                          "that every process trains the same number, token counts balanced, and "
                                          "every optimizer step exactly mini_batch_size rows, as released "
                                          "(balance_batch); False: each process trains the steps it played."})
+    balance_partition: str = field(
+        default="greedy", metadata={"help": "balance_steps: how the rows are split over the processes: 'greedy' "
+                                            "(longest row first, to the set with the fewest tokens that has room) "
+                                            "or 'karmarkar_karp' (as released: verl's get_seqlen_balanced_"
+                                            "partitions, equal_size, which decides which rows share a micro-batch "
+                                            "and an optimizer step)."})
     fill_multiple: int | None = field(
         default=None, metadata={"help": "all_steps with balance_steps and fill_last_micro_batch 'duplicate': fill "
                                         "the iteration's rows over all processes to a multiple of this many "

@@ -52,7 +52,8 @@ def all_steps_counts(collected: int, rows: TrainingRows, plan: list[np.ndarray],
     trained = sum(len(chunk) for chunk in plan)
     slots = windows * args.gradient_accumulation_steps * args.per_device_train_batch_size
     return SampleCounts(kept=collected, duplicated=rows.copies + trained - len(rows.completions),
-                        padded_fraction=1.0 - trained / max(slots, 1), optimizer_steps=windows * num_iterations)
+                        padded_fraction=1.0 - trained / max(slots, 1), optimizer_steps=windows * num_iterations,
+                        token_spread=rows.token_spread)
 
 
 def all_steps_inputs(trainer, rows: TrainingRows, plan: list[np.ndarray], windows: int) -> list[dict]:
@@ -91,7 +92,7 @@ def training_rows(trainer, rollout: Rollout, advantages: np.ndarray) -> Training
         return own_rows(rollout.steps, advantages)
     return balanced_rows(trainer.accelerator, rollout.steps, advantages, fill=args.fill_last_micro_batch,
                          fill_multiple=args.fill_multiple or args.per_device_train_batch_size * processes,
-                         seed=(args.seed, trainer._iteration))
+                         seed=(args.seed, trainer._iteration), partition=args.balance_partition)
 
 
 def logprob_inputs(trainer, samples: dict[str, torch.Tensor], completions: list[Completion],

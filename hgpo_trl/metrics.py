@@ -1,10 +1,11 @@
-"""What one training iteration logs (`env/`, `adv/`, `steps/`, `prompt/`, `hgpo/`, `diag/`, `time/`): the same keys
-on every process, always, because the values are gathered as one vector (a process whose episodes all failed
-still sends every key)."""
+"""What one training iteration logs (`env/`, `adv/`, `steps/`, `prompt/`, `hgpo/`, `diag/`, `time/`; balanced,
+`global_seqlen/`): the same keys on every process, always, because the values are gathered as one vector (a
+process whose episodes all failed still sends every key)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,6 +23,7 @@ class SampleCounts:
     duplicated: int = 0  # extra copies (all_steps, fill_last_micro_batch="duplicate")
     padded_fraction: float = 0.0  # share of the sample slots that are masked padding
     optimizer_steps: int = 1  # optimizer steps the iteration makes
+    token_spread: Mapping[str, float] = field(default_factory=dict)  # balance_steps: global_seqlen/*, as released
 
 
 class TrainedSteps:
@@ -92,6 +94,7 @@ def iteration_metrics(rollout: Rollout, batch: StepBatch, advantages: np.ndarray
         "throughput/env_steps_per_second": len(steps) / max(rollout.seconds, 1e-9),
         **rollout.prompt_stats(),
         **completion_metrics(steps, eos_token_ids),
+        **samples.token_spread,
     }
     if diagnostics:
         estimators = args.diagnostic_estimators()

@@ -1,4 +1,5 @@
-"""Plain-Python reference estimators, written from ALGORITHMS.md with dicts and loops (no numpy).
+"""Plain-Python reference estimators, written from ALGORITHMS.md with dicts and loops (no numpy), and released
+functions rewritten from reading them (similarity clusters, verl's balanced partition).
 
 They are deliberately plain — dicts of members, loops over rows, lists re-summed per row — and share no code
 and no trick with `hgpo_trl.advantages`. The property tests compare the two; `benchmarks/advantages.py` times them.
@@ -266,3 +267,58 @@ def progpo(batch, gamma=0.95, depth=2, lam=1.0, norm="mean_std_norm", invalid_pe
 
 
 REFERENCES = {"grpo": grpo, "gigpo": gigpo, "hgpo": hgpo, "progpo": progpo}
+
+
+def released_balanced_partitions(seqlens, k):
+    """verl's `get_seqlen_balanced_partitions(seqlens, k_partitions=k, equal_size=True)` (verl/utils/
+    seqlen_balancing.py, `karmarkar_karp`, which `_balance_batch` calls), rewritten from reading it: (length,
+    index) pairs sorted ascending, cut into runs of k, each run a state of k one-item sets; the heap pops the state
+    with the largest spread first (ties: the one whose largest set is larger) and merges the second popped into
+    the first, set i taking set k-1-i, sets kept in descending order; a set orders by (sum, size, its (index,
+    length) items in insertion order). The final state's sets, each sorted: rank r gets set r."""
+    import heapq
+
+    class Bin:
+        def __init__(self):
+            self.total, self.items = 0, []
+
+        def put(self, index, length):
+            self.items.append((index, length))
+            self.total += length
+
+        def __lt__(self, other):
+            return (self.total, len(self.items), self.items) < (other.total, len(other.items), other.items)
+
+    class Partial:
+        def __init__(self, pairs):
+            self.bins = []
+            for index, length in pairs:
+                b = Bin()
+                b.put(index, length)
+                self.bins.append(b)
+            self.bins.sort(reverse=True)
+
+        def spread(self):
+            return self.bins[0].total - self.bins[-1].total
+
+        def absorb(self, other):
+            for i in range(k):
+                for index, length in other.bins[k - 1 - i].items:
+                    self.bins[i].put(index, length)
+            self.bins.sort(reverse=True)
+
+        def __lt__(self, other):
+            if self.spread() != other.spread():
+                return self.spread() > other.spread()
+            return self.bins[0] > other.bins[0]
+
+    assert len(seqlens) >= k and len(seqlens) % k == 0
+    ordered = sorted((length, index) for index, length in enumerate(seqlens))
+    heap = []
+    for start in range(0, len(ordered), k):
+        heapq.heappush(heap, Partial([(index, length) for length, index in ordered[start:start + k]]))
+    while len(heap) > 1:
+        first, second = heapq.heappop(heap), heapq.heappop(heap)
+        first.absorb(second)
+        heapq.heappush(heap, first)
+    return [sorted(index for index, _ in b.items) for b in heap[0].bins]

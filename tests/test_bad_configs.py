@@ -101,6 +101,8 @@ ROWS = [
      r"set bf16: false"),
     ("action-mode", "action_mode: json\n", [], None, r"HGPOConfig\.action_mode", r"one of \('tags', 'plain'\)"),
     ("invalid-action", "invalid_action: retry\n", [], None, r"HGPOConfig\.invalid_action", r"one of \('noop'"),
+    ("balance-partition", "balance_partition: lpt\n", [], None, r"HGPOConfig\.balance_partition",
+     r"one of \('greedy', 'karmarkar_karp'\)"),
     ("advantage-norm", "advantage_norm: zscore\n", [], None, r"HGPOConfig\.advantage_norm", r"one of"),
     ("env-name", "env_name: minecraft\n", [], None, r"HGPOConfig\.env_name: unknown environment 'minecraft'",
      r"registered: \['alfworld', 'gymnasium', 'keydoor', 'textarena', 'webshop'\]"),

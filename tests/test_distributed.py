@@ -109,11 +109,12 @@ def test_all_steps_trains_every_step_of_both_processes_once_in_windows_of_the_bu
 
 @pytest.mark.slow
 def test_balanced_steps_train_every_row_once_in_mini_batches_of_the_configured_size(tmp_path, free_port):
-    """balance_steps on 2 processes whose episodes differ in length (process 1's end after one step): over both
-    processes every row reaches the loss exactly once, none twice, none dropped; each optimizer step trains
-    exactly mini_batch_size = 8 rows in all (an iteration's last aside); both run as many micro-batches and take
-    fewer optimizer steps than unbalanced rows would need."""
-    ranks = launch("ddp", tmp_path, free_port, "batching=all_steps", "balance=1", "uneven=1")
+    """balance_steps on 2 processes whose episodes differ in length (process 1's end after one step), split as
+    released (karmarkar_karp; greedy differs in the split alone, tests/test_balance.py): over both processes every
+    row reaches the loss exactly once, none twice, none dropped; each optimizer step trains exactly
+    mini_batch_size = 8 rows in all (an iteration's last aside); both run as many micro-batches and take fewer
+    optimizer steps than unbalanced rows would need; both log the same global_seqlen/*."""
+    ranks = launch("ddp", tmp_path, free_port, "batching=all_steps", "balance=karmarkar_karp", "uneven=1")
     estimated = [[len(values) for values in rank["estimated"]] for rank in ranks]
     assert all(n0 >= 3 * n1 for n0, n1 in zip(*estimated, strict=True))  # deliberately unequal
     assert sorted(a for rank in ranks for call in rank["seen"] for a in call) == \
@@ -133,6 +134,11 @@ def test_balanced_steps_train_every_row_once_in_mini_batches_of_the_configured_s
     counters = [h for h in ranks[0]["log_history"] if "steps/max_untrained" in h]
     assert [h["steps/max_untrained"] for h in counters] == [0.0, 0.0]
     assert [h["steps/trained"] * 2 for h in counters] == [n0 + n1 for n0, n1 in zip(*estimated, strict=True)]
+    spread = [[{k: v for k, v in h.items() if k.startswith("global_seqlen/")} for h in rank["log_history"]
+               if "global_seqlen/mean" in h] for rank in ranks]
+    assert len(spread[0]) == 2 and spread[0] == spread[1]
+    assert all(h["global_seqlen/balanced_max"] - h["global_seqlen/balanced_min"] < h["global_seqlen/minmax_diff"]
+               for h in spread[0])
 
 
 @pytest.mark.slow

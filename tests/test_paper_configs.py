@@ -109,7 +109,8 @@ MAPPING = {
     "actor_rollout_ref.rollout.temperature": lambda v: {"temperature": float(v)},
     "compute_mean_std_cross_steps": lambda v: {"episode_stats": "steps" if v == "True" else "trajectories"},
     "adjust_batch.mode": lambda v: {"fill_last_micro_batch": {"copy": "duplicate"}[v]},
-    "trainer.balance_batch": lambda v: {"balance_steps": v == "True"},
+    # _balance_batch splits with get_seqlen_balanced_partitions(..., equal_size=True): Karmarkar-Karp.
+    "trainer.balance_batch": lambda v: {"balance_steps": v == "True", "balance_partition": "karmarkar_karp"},
     # adjust_batch's divisor, lcm(log-prob micro-batches, actor micro-batch) x GPUs (checked below).
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": lambda v: {},
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": lambda v: {},

@@ -8,9 +8,10 @@ blocks depend on it), else it starts a new cluster. The clusters are the anchor 
 
 "Batch order" here is the sorted view's (trajectory, step) order: the order of the release's batch when rows
 come in rollout order (its `gather_rollout_data` lists each trajectory's steps in turn) and trajectory ids count
-rollouts, as the trainer's do. It makes the clusters independent of the order rows arrive in. (The released
+rollouts, as the trainer's do. It makes the clusters independent of the order rows arrive in. (verl-agent's main
 trainer permutes its batch, `balance_batch`, before the advantages, so there the first member of a cluster is
-whichever step the length balancing puts first.)
+whichever step the length balancing puts first; the HGPO recipe computes the advantages before it balances, on
+this order, but its GiGPO call leaves the similarity switch commented out.)
 
 The same clusters, with far fewer `SequenceMatcher` calls (docs/results.md: 400x faster on an ALFWorld batch):
 - a text met before in the task group joins the same cluster (the clusters it skipped then are still the first

@@ -1,7 +1,7 @@
 """Two-iteration HGPO run on the tiny model, for multi-process tests: `accelerate launch ... train_keydoor.py OUT
-[beta=0.1] [gc=1] [batching=all_steps [balance=1] [uneven=1]] [fault=envs|nan] [warmstart=STEPS [model=folder]]`.
+[beta=0.1] [gc=1] [batching=all_steps [balance=PARTITION] [uneven=1]] [fault=envs|nan] [warmstart=STEPS [model=folder]]`.
 
-balance=1: balance_steps (rows shared out over the processes). uneven=1: process 1's episodes end after their
+balance=PARTITION: balance_steps (rows shared out over the processes) with that balance_partition. uneven=1: process 1's episodes end after their
 first step, process 0's run to the step limit (invalid outputs are no-ops): the processes collect very different
 numbers of steps.
 
@@ -127,7 +127,7 @@ def main(out: str, extra: list[str]) -> None:
     if options.get("batching") == "all_steps":  # micro-batches of 2, mini-batches of 8 over both processes
         register_estimator("unique", unique_advantages)
         batching = dict(step_batching="all_steps", mini_batch_size=8, estimator="unique",
-                        balance_steps=options.get("balance") == "1")
+                        balance_steps="balance" in options, balance_partition=options.get("balance", "greedy"))
         if options.get("uneven") == "1":
             batching["invalid_action"] = "noop"
     if options.get("dynamic") == "1":
