@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sized
 import torch
 from torch.utils.data import Sampler
 
-EXTRA_STREAM_SEED = 1_000_003  # dynamic sampling's stream of tasks: the run's seed plus this
+from hgpo_trl.seeds import integer_seed
 
 
 class TaskSampler(Sampler[int]):
@@ -76,10 +76,10 @@ class TaskSampler(Sampler[int]):
 
     def extra_tasks(self, batch: int, rank: int, num_processes: int) -> list[int]:
         """The task indices process `rank` plays in the run's (0-based) `batch`-th extra rollout batch of dynamic
-        sampling: the iterations' sequence drawn with another seed and always shuffled (an unshuffled stream would
+        sampling: the iterations' sequence drawn from a stream of its own (`hgpo_trl.seeds`) and always shuffled (an unshuffled stream would
         replay the iterations' order: extra batch b, iteration b's tasks)."""
         extra = copy.copy(self)
-        extra.seed, extra.shuffle = self.seed + EXTRA_STREAM_SEED, True
+        extra.seed, extra.shuffle = integer_seed(self.seed, "extra_tasks"), True
         return extra.iteration_tasks(batch, rank, num_processes)
 
     def __len__(self) -> int:

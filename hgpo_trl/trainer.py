@@ -58,6 +58,7 @@ from hgpo_trl.progress import transformers_bars_as_ours, transformers_bars_off
 from hgpo_trl.reporting import set_up_reporting
 from hgpo_trl.rollout import Completion, Rollout
 from hgpo_trl.sampler import TaskSampler
+from hgpo_trl.seeds import seed_process
 from hgpo_trl.step_batches import plan_micro_batches, sample_tensors, windows_for
 from hgpo_trl.trajectories import rollout_records, write_records
 
@@ -102,7 +103,7 @@ class HGPOTrainer(GRPOTrainer):
             env_factory is not None or is_fast_env(args.env_name), self.accelerator.state.num_processes)
         self._envs: EnvBatch | None = None
         self.last_level_stats: list = []  # HGPO's level statistics of the last rollout (plots)
-        self._sample_rng = np.random.default_rng(args.seed + self.accelerator.process_index)
+        self._sample_rng = seed_process(args.seed, self.accelerator.process_index)  # (TRL's seed + rank replaced)
         self._training_seconds = self._batch_seconds = 0.0
         # Rollouts started (the 1-based number of the current iteration), in a mutable object: the Trainer builds a
         # DeepSpeed-config scheduler on a shallow copy of itself, and the iteration schedule must see the count.
@@ -351,8 +352,7 @@ class HGPOTrainer(GRPOTrainer):
             if self.args.estimator == "hgpo" else None
         if levels is not None and rollout.steps:
             self.last_level_stats = levels
-        local = iteration_metrics(rollout, batch, advantages, samples, self.args, levels,
-                                  eos_token_ids=self.eos_token_ids,
+        local = iteration_metrics(rollout, batch, advantages, samples, self.args, levels, eos_token_ids=self.eos_token_ids,
                                   diagnostics=bool(every) and mode == "train" and self._iteration % every == 0,
                                   advantage_seconds=advantage_seconds, training_seconds=self._training_seconds)
         self._training_seconds = 0.0
