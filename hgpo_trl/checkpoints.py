@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -160,25 +161,32 @@ class ResumeError(ValueError):
     """A checkpoint this run cannot resume (train.py reports it in one line)."""
 
 
-def check_resume(checkpoint: str | bool | None, args, processes: int, saved_start: bool) -> None:
-    """Refuse a checkpoint that another number of processes saved (each saves its own state file; the Trainer's
-    rng_state files in a checkpoint from before): the iteration count, the fault streak and the sub-sampling
-    stream are each process's, the task split and the samples per iteration follow the process count, and
-    DeepSpeed's partitioned optimizer state loads only on the world size that wrote it. Refuse too a resume that
-    `args.resume_from_checkpoint` does not announce when the trainer saved the model passed in as the run's
-    start (`saved_start`, `save_in_memory_weights`): it would have overwritten the run's own. `checkpoint`: as
-    Trainer.train takes it (True: the last in output_dir)."""
-    output_dir = args.output_dir
-    if checkpoint is True:
-        from transformers.trainer_utils import get_last_checkpoint
-
-        checkpoint = get_last_checkpoint(output_dir)
-    if not isinstance(checkpoint, str | os.PathLike):
-        return
+def check_resume(checkpoint: str | bool | None, args, processes: int, saved_start: bool) -> str | None:
+    """The checkpoint to resume, as Trainer.train takes it, or None. Refused: one that another number of processes
+    saved (each saves its own state file; the Trainer's rng_state files in a checkpoint from before): the
+    iteration count, the fault streak and the sub-sampling stream are each process's, the task split and the
+    samples per iteration follow the process count, and DeepSpeed's partitioned optimizer state loads only on the
+    world size that wrote it; then a damaged one (`resumable_checkpoint`; True, or 'true', is the newest in
+    output_dir that loads). Refused too: a resume that `args.resume_from_checkpoint` does not announce when the
+    trainer saved the model passed in as the run's start (`saved_start`, `save_in_memory_weights`): it would have
+    overwritten the run's own."""
+    named = isinstance(checkpoint, str | os.PathLike) and str(checkpoint).lower() != "true"
+    if named:
+        check_processes(checkpoint, processes)
+    checkpoint = resumable_checkpoint(checkpoint, args.output_dir)
+    if checkpoint is None:
+        return None
+    if not named:
+        check_processes(checkpoint, processes)
     if saved_start and not args.resume_from_checkpoint:
         raise ResumeError(f"train(resume_from_checkpoint={str(checkpoint)!r}): set HGPOConfig.resume_from_checkpoint "
                           "to it too (train.py does), so that the trainer reuses the run's saved reference / base "
                           "model instead of saving the model passed in over it")
+    return checkpoint
+
+
+def check_processes(checkpoint: str | os.PathLike, processes: int) -> None:
+    """Refuse a checkpoint that another number of processes saved (check_resume)."""
     saved = (len(list(Path(checkpoint).glob(TRAINER_STATE_FILE.format(rank="*"))))
              or len(list(Path(checkpoint).glob("rng_state_*.pth"))) or int(Path(checkpoint, "rng_state.pth").is_file()))
     if saved and saved != processes:
@@ -187,6 +195,86 @@ def check_resume(checkpoint: str | bool | None, args, processes: int, saved_star
             f"{processes}: its per-process state (iterations, task split, sampling streams; under DeepSpeed the "
             f"partitioned optimizer) resumes only on {saved}. Resume with {saved} process{'es' * (saved > 1)}, or "
             f"start a new run from its weights (model_name_or_path: {checkpoint})")
+
+
+def resumable_checkpoint(checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """`checkpoint` checked file by file (`damaged_file`): a damaged one is refused in one line naming the file
+    and the newest checkpoint beside it that loads; True (or 'true', as YAML and the command line write it) is
+    the newest in `output_dir` that loads, with a line when that is not the newest."""
+    if isinstance(checkpoint, str) and checkpoint.lower() == "true":
+        checkpoint = True
+    if checkpoint is None or checkpoint is False:
+        return None
+    if checkpoint is True:
+        candidates = saved_checkpoints(output_dir)
+        if not candidates:
+            raise ResumeError(f"resume_from_checkpoint: true: {output_dir} holds no checkpoint-N folder")
+        problems = []
+        for candidate in candidates:
+            if (problem := damaged_file(candidate)) is None:
+                if problems and PartialState().is_main_process:
+                    print(f"[resume] {problems[0]}: resuming from {candidate}, the newest checkpoint that loads",
+                          flush=True)
+                return str(candidate)
+            problems.append(problem)
+        raise ResumeError(f"resume_from_checkpoint: true: no checkpoint in {output_dir} loads ({problems[0]})")
+    if (problem := damaged_file(checkpoint)) is not None:
+        beside = [c for c in saved_checkpoints(Path(checkpoint).parent) if c != Path(checkpoint)]
+        good = next((c for c in beside if damaged_file(c) is None), None)
+        raise ResumeError(f"resume_from_checkpoint: {problem}; "
+                          + (f"the newest checkpoint beside it that loads is {good}" if good
+                             else "no checkpoint beside it loads"))
+    return str(checkpoint)
+
+
+def saved_checkpoints(folder: str | Path) -> list[Path]:
+    """The checkpoint-N folders in `folder`, newest (highest N) first."""
+    found = [p for p in Path(folder).glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[-1]), reverse=True)
+
+
+WEIGHTS_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+                 "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def damaged_file(checkpoint: str | Path) -> str | None:
+    """The first part of `checkpoint` that cannot be read back, and why; None when all can. Cheap whatever the
+    model's size: a safetensors header, a torch file's zip directory (where a cut file fails), a JSON file; the
+    trainer state and the weights must be there."""
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not (folder / TRAINER_STATE_NAME).is_file():
+        return f"{folder / TRAINER_STATE_NAME} is missing"
+    if not any((folder / name).is_file() for name in WEIGHTS_FILES) and not any(folder.glob("global_step*")):
+        return f"{folder} holds no model weights ({', '.join(WEIGHTS_FILES[:3])}, ...)"
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        try:
+            _read_back(path)
+        except Exception as err:  # (each library's own error: the message names the file instead)
+            return f"{path} is damaged ({type(err).__name__}: {(str(err).splitlines() or [''])[0]})"
+    return None
+
+
+def _read_back(path: Path) -> None:
+    """Read `path`'s structure back (not every byte), raising if it is cut or malformed."""
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as weights:
+            weights.keys()
+    elif path.suffix == ".json":
+        index = json.loads(path.read_text())
+        for shard in set((index.get("weight_map") or {}).values()) if isinstance(index, dict) else ():
+            if not (path.parent / shard).is_file():
+                raise FileNotFoundError(f"the shard {shard} it lists is missing")
+    elif path.suffix in (".pt", ".pth", ".bin"):
+        with path.open("rb") as file:
+            zipped = file.read(4) == b"PK\x03\x04"  # torch.save's format since torch 1.6
+        if zipped:
+            zipfile.ZipFile(path).close()
+        elif path.stat().st_size == 0:
+            raise ValueError("the file is empty")
 
 
 def write_trainer_state(folder: str | Path, rank: int, state: dict[str, Any]) -> None:

@@ -331,9 +331,9 @@ class HGPOTrainer(GRPOTrainer):
         return is_new_best
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """The parent's, refusing before any step a checkpoint that another number of processes saved."""
-        check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
-        return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        """The parent's, from the checkpoint `check_resume` accepts (another number of processes, damage: refused)."""
+        checkpoint = check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
+        return super().train(checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _issue_warnings_after_load(self, load_result) -> None:
         super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from hgpo_trl.envs.keydoor import KeyDoorEnv
 from tests.test_trainer import make_config, make_trainer
@@ -195,8 +196,8 @@ def test_a_resume_on_another_number_of_processes_is_refused_before_any_step(kind
         return subprocess.run([*launcher, str(KILL_AND_RESUME), str(tmp_path), "iterations=2", *options], env=env,
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
 
-    killed = run(saved, "kill_after=1")
-    assert killed.returncode != 0 and [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"], killed.stderr[-3000:]
+    stopped = run(saved, "signal_at=1")  # stopped by a Ctrl-C at the end of iteration 1, with its checkpoint
+    assert stopped.returncode == 0 and [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"], stopped.stderr[-3000:]
     refused = run(resumed, "resume=1")
     assert refused.returncode != 0
     plural = "es" * (saved > 1)
@@ -212,10 +213,12 @@ def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tm
     old = tmp_path / "checkpoint-4"
     old.mkdir()
     for rank in (0, 1):  # the Trainer's own per-process files
-        (old / f"rng_state_{rank}.pth").write_bytes(b"")
+        torch.save({"cpu": torch.get_rng_state()}, old / f"rng_state_{rank}.pth")
+    (old / "trainer_state.json").write_text("{}")
+    save_file({"w": torch.zeros(1)}, old / "model.safetensors")
     with pytest.raises(ResumeError, match="was saved by 2 processes and this run has 1"):
         check_resume(str(old), args, processes=1, saved_start=False)
-    check_resume(str(old), args, processes=2, saved_start=False)
+    assert check_resume(str(old), args, processes=2, saved_start=False) == str(old)
 
 
 def test_a_weight_tied_to_a_loaded_one_is_not_reported_missing(tiny_model):
@@ -226,3 +229,31 @@ def test_a_weight_tied_to_a_loaded_one_is_not_reported_missing(tiny_model):
     assert tiny_model.get_output_embeddings().weight is tiny_model.get_input_embeddings().weight  # tied
     result = without_tied_keys(tiny_model, _IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
     assert result.missing_keys == ["model.norm.weight"] and result.unexpected_keys == []
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line_and_true_falls_back_to_the_newest_that_loads(
+        tmp_path, tiny_model, tiny_tokenizer, capsys):
+    from hgpo_trl.checkpoints import ResumeError, damaged_file
+
+    make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, train_iterations=2, save_every_iterations=1)).train()
+    older, newest = checkpoints(tmp_path / "out")
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # a disk that filled, a copy cut short
+    args = make_config(tmp_path, train_iterations=3, save_every_iterations=1)
+    resumed = make_trainer(type(tiny_model)(tiny_model.config), tiny_tokenizer, args)
+    with pytest.raises(ResumeError) as refused:
+        resumed.train(resume_from_checkpoint=str(newest))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"resume_from_checkpoint: {weights} is damaged (")
+    assert message.endswith(f"the newest checkpoint beside it that loads is {older}")
+    capsys.readouterr()
+    played = []
+    play = resumed._play_iteration
+    resumed._play_iteration = lambda rows: played.append(resumed._iteration + 1) or play(rows)
+    resumed.train(resume_from_checkpoint="true")  # as YAML and the command line write it
+    assert capsys.readouterr().out.startswith(f"[resume] {weights} is damaged (")
+    assert played == [2, 3] and resumed.completed_iterations == 3  # from checkpoint-1, iteration 1's
+    assert damaged_file(newest) is None  # saved again by the resumed run
+    optimizer = checkpoints(tmp_path / "out")[-1] / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:-100])  # a torch file cut short: its zip directory is gone
+    assert damaged_file(optimizer.parent).startswith(f"{optimizer} is damaged (BadZipFile: ")
