@@ -21,10 +21,11 @@ adapter's `env_id`), so the G rollouts of a task start from the same state; the 
   admissible actions are the names, less those masked by the environment's `info["action_mask"]` (Taxi).
   `spaces.Text` actions are sent as written (an action outside the space is an invalid move); `action_names`
   then lists the admissible actions for the prompt (a mapping also translates them).
-- Reward: the environment's, times `reward_scale`; `info["score"]` is the episode's return at the end. `won`
-  follows `success`: "reward" (terminated with a positive reward), "terminated", or "is_success" (the
-  environment's `info["is_success"]`); "auto" takes the toy-text rule, else "is_success" when reported, else
-  "reward".
+- Reward: the environment's, times `reward_scale`; `info["score"]` is the episode's return at the end. `won` is
+  judged when the episode ends (terminated, or cut by a time limit: the environment's or `max_steps`) by
+  `success`: "reward" (terminated with a positive reward), "terminated", "truncated" (cut, not terminated:
+  CartPole's pole stayed up) or "is_success" (the last `info["is_success"]`); "auto" takes the toy-text rule,
+  else `CLASSIC_CONTROL`'s, else "is_success" when the environment reports it, else "reward".
 
 Needs the `gymnasium` extra: `pip install "hgpo-trl[gymnasium]"`.
 """
@@ -42,7 +43,7 @@ from hgpo_trl.envs.base import Info, MissingExtraError, _is_int, rules_prompt, s
 if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
     import datasets
 
-SUCCESS = ("auto", "reward", "terminated", "is_success")
+SUCCESS = ("auto", "reward", "terminated", "truncated", "is_success")
 OBSERVATIONS = ("auto", "text", "ansi")
 _INSTALL = 'pip install "hgpo-trl[gymnasium]"'
 _COLOURS = {0: "black", 1: "red", 2: "green", 3: "yellow", 4: "blue", 5: "magenta", 6: "cyan", 7: "white"}
@@ -87,6 +88,10 @@ TOY_TEXT: dict[str, ToyText] = {
         "stand to stop and let the dealer draw; an ace counts 11 while that keeps your sum at 21 or less (a "
         "usable ace), else 1. A win pays 1, a loss costs 1.", "reward", _blackjack_text),
 }
+
+# Gymnasium's classic-control environments, by id prefix: what their ending means ("auto"). CartPole terminates when
+# the pole falls; MountainCar(Continuous) and Acrobot at their goal, at a reward of -1 or 0. Pendulum never does.
+CLASSIC_CONTROL = {"CartPole": "truncated", "MountainCar": "terminated", "Acrobot": "terminated"}
 
 
 def _import_gymnasium():
@@ -135,9 +140,9 @@ def clean_frame(frame: str) -> str:
     return "\n".join(lines).strip("\n")
 
 
-def _toy_text(env_id: str | None) -> ToyText | None:
-    name = (env_id or "").split("/")[-1].split(":")[-1]
-    return next((spec for prefix, spec in TOY_TEXT.items() if name.startswith(prefix)), None)
+def _by_prefix(table: Mapping[str, Any], env_id: str | None) -> Any:
+    name = (env_id or "").split("/")[-1].split(":")[-1]  # "module:Id" and "namespace/Id" by their Id
+    return next((entry for prefix, entry in table.items() if name.startswith(prefix)), None)
 
 
 def _renders_ansi(gym, env_id: str) -> bool:
@@ -194,7 +199,8 @@ class _Game:
                              f"{err}") from err
         if not isinstance(self.env, gym.Env):
             raise ValueError(f"Gymnasium environment {self.name!r} is not a gymnasium.Env: {type(self.env).__name__}")
-        self.toy = _toy_text(self.env.spec.id if self.env.spec is not None else self.name)
+        self.toy = _by_prefix(TOY_TEXT, env_name := self.env.spec.id if self.env.spec is not None else self.name)
+        self.auto_success = self.toy.success if self.toy else _by_prefix(CLASSIC_CONTROL, env_name)
         self.to_text = observation_to_text or self._default_text(observation)
         space = self.env.action_space
         self.text_actions = isinstance(space, spaces.Text)
@@ -318,7 +324,7 @@ class GymnasiumEnv:
         observation, info = game.env.reset(seed=int(seed))
         self._sentence = self.task or (game.toy.goal if game.toy else f"Play {game.name}: reach its goal.")
         self._steps, self._return, self._done, self._won = 0, 0.0, False, False
-        self._observation, self._mask = game.text(observation), info.get("action_mask")
+        self._observation, self._mask, self._env_info = game.text(observation), info.get("action_mask"), info
         return self._observation, self._info()
 
     def step(self, action: str | None) -> tuple[str, float, bool, bool, Info]:
@@ -328,7 +334,7 @@ class GymnasiumEnv:
             raise RuntimeError("GymnasiumEnv.step() called after the episode ended; call reset(task) first")
         if action is not None and not isinstance(action, str):
             raise ValueError(f"action must be a string or None, got {type(action).__name__}")
-        game, reward, terminated, truncated, invalid = self._game, 0.0, False, False, None
+        game, raw, reward, terminated, truncated, invalid = self._game, 0.0, 0.0, False, False, None
         if action is not None:
             # A named action is looked up; a Text space also takes any other text, as written.
             value = game.lookup.get(action.strip().lower(), action if game.text_actions else None)
@@ -336,14 +342,14 @@ class GymnasiumEnv:
                 invalid = (f"unknown action {action!r}; the actions are {list(game.actions)}" if not game.text_actions
                            else f"action {action!r} is not in the action space {game.env.action_space}")
             else:
-                observation, raw, terminated, truncated, info = game.env.step(value)
+                observation, raw, terminated, truncated, self._env_info = game.env.step(value)
                 reward = float(raw) * self.reward_scale
                 self._return += reward
-                self._observation, self._mask = game.text(observation), info.get("action_mask")
-                self._won = bool(terminated or truncated) and self._succeeded(raw, terminated, info)
+                self._observation, self._mask = game.text(observation), self._env_info.get("action_mask")
         self._steps += 1
         truncated = bool(truncated) or (not terminated and self._steps >= self.max_steps)
         self._done = bool(terminated) or truncated
+        self._won = self._done and self._succeeded(float(raw), bool(terminated))
         info = {**self._info(), "invalid_move": invalid is not None}
         if invalid is not None:
             info["invalid_reason"] = invalid
@@ -351,13 +357,14 @@ class GymnasiumEnv:
             info["score"] = self._return
         return self._observation, reward, bool(terminated), truncated, info
 
-    def _succeeded(self, reward: float, terminated: bool, info: Mapping[str, Any]) -> bool:
-        rule = self.success
+    def _succeeded(self, reward: float, terminated: bool) -> bool:
+        """Whether the episode, now over (`terminated`, else cut by a time limit), is won under `success`."""
+        rule, info = self.success, self._env_info
         if rule == "auto":
-            rule = self._game.toy.success if self._game.toy else "is_success" if "is_success" in info else "reward"
+            rule = self._game.auto_success or ("is_success" if "is_success" in info else "reward")
         if rule == "is_success":
             return bool(info.get("is_success", False))
-        return bool(terminated) and (rule == "terminated" or reward > 0)
+        return not terminated if rule == "truncated" else terminated and (rule == "terminated" or reward > 0)
 
     def _info(self) -> Info:
         names = list(self._game.actions)

@@ -1,6 +1,6 @@
 """Gymnasium environments through `make_env("gymnasium", env_id=...)`: gymnasium's own toy-text environments
 (FrozenLake, Taxi, CliffWalking) with their ansi frames and named Discrete actions, Blackjack's observation named
-from the toy-text table, an environment of `spaces.Text`, observations written from their spaces (or by an
+from the toy-text table, the classic-control environments' success, an environment of `spaces.Text`, observations written from their spaces (or by an
 `observation_to_text` hook), seeded task groups, worker processes, bad input, and train.py's parsing of the
 environment by name."""
 
@@ -18,6 +18,7 @@ pytest.importorskip("gymnasium", reason="the gymnasium extra is not installed: p
 
 import gymnasium
 from gymnasium import spaces
+from gymnasium.wrappers import DiscretizeAction
 
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.base import MissingExtraError
@@ -127,6 +128,48 @@ def test_blackjack_reads_as_named_parts_and_a_win_is_a_positive_reward():
     env.reset({"seed": 7})
     _, reward, terminated, _, info = env.step("stand")
     assert reward == 0.0 and terminated and not info["won"]  # a draw is no win
+
+
+def discretized(env_id, **make_kwargs):
+    """A classic-control environment of Box actions (refused as such) as 3 pushes: -2/3, 0 and 2/3 of its range."""
+    return DiscretizeAction(gymnasium.make(env_id, **make_kwargs), bins=3)
+
+
+def balance(observation):  # CartPole's [x, x', angle, angle']: push right under a pole leaning or falling right
+    x, speed, angle, spin = observation
+    return int(10 * angle + 2 * spin + 0.1 * x + 0.5 * speed > 0)
+
+
+def pump(index):  # push along the velocity at observation[index]: swings MountainCar and Acrobot up to their goal
+    return lambda observation: 2 if observation[index] >= 0 else 0
+
+
+PUSHES = ["push left", "no push", "push right"]
+
+
+@pytest.mark.parametrize(("env_id", "names", "ends_it", "won_ended", "lasts", "won_cut"), [
+    ("CartPole-v1", ["push left", "push right"], lambda _: 0, False, balance, True),  # the pole falls: lost
+    ("MountainCar-v0", PUSHES, pump(1), True, lambda _: 1, False),  # the flag, at a reward of -1: won
+    ("Acrobot-v1", ["torque -1", "no torque", "torque +1"], pump(5), True, lambda _: 1, False),  # swung up, reward 0
+    (partial(discretized, "MountainCarContinuous-v0"), PUSHES, pump(1), True, lambda _: 1, False),
+    (partial(discretized, "Pendulum-v1"), PUSHES, None, None, lambda _: 2, False),  # never ends: never won
+], ids=["CartPole", "MountainCar", "Acrobot", "MountainCarContinuous", "Pendulum"])
+def test_classic_control_success_follows_what_its_ending_means(env_id, names, ends_it, won_ended, lasts, won_cut):
+    """success "auto", played on the observations' text: an episode the environment ends (`ends_it`) and one
+    cut by its own time limit or by max_steps (`lasts`)."""
+
+    def outcome(policy, max_steps=1000, **make_kwargs):
+        env = make_env("gymnasium", env_id=env_id, action_names=names, max_steps=max_steps, make_kwargs=make_kwargs)
+        observation, _ = env.reset({"seed": 0})
+        for _ in range(max_steps):
+            observation, _, terminated, truncated, info = env.step(names[policy(json.loads(observation))])
+            if terminated or truncated:
+                return terminated, info["won"]
+        return None
+
+    if ends_it is not None:
+        assert outcome(ends_it) == (True, won_ended)
+    assert outcome(lasts, max_episode_steps=40) == outcome(lasts, max_steps=40) == (False, won_cut)
 
 
 class SecretWord(gymnasium.Env):
@@ -330,14 +373,16 @@ def one_room(render_mode="ansi"):
     ({"env_id": partial(one_room, render_mode=None), "action_names": ["u", "r", "d", "l"], "observation": "ansi"},
      "does not render as text"),
     ({"env_id": "CartPole-v1"}, "Discrete action space .* pass action_names"),
+    ({"env_id": "Pendulum-v1"}, r"action space must be Text or Discrete, got Box\(-2.0, 2.0"),
+    ({"env_id": "MountainCarContinuous-v0"}, r"action space must be Text or Discrete, got Box\(-1.0, 1.0"),
     ({"env_id": "Blackjack-v1", "observation_to_text": str, "observation": "text"}, "replaces observation='text'"),
     ({"env_id": "Blackjack-v1", "observation_to_text": "no_such_module:words"}, "cannot be imported: ModuleNot"),
     ({"env_id": "Blackjack-v1", "observation_to_text": "words"}, "a function or a 'module:function' string"),
     ({"env_id": "NoSuchGame-v0"}, "'NoSuchGame-v0' could not be made"),
     ({"env_id": "FrozenLake-v1", "success": "maybe"}, "success must be one of"),
     ({"env_id": 7}, "env_id must be a gymnasium id"),
-], ids=["no-names", "wrong-count", "duplicates", "not-an-action", "string", "no-ansi", "cartpole", "hook-and-mode",
-        "hook-missing", "hook-no-module", "unknown", "success", "env-id"])
+], ids=["no-names", "wrong-count", "duplicates", "not-an-action", "string", "no-ansi", "cartpole", "pendulum",
+        "mountain-car-continuous", "hook-and-mode", "hook-missing", "hook-no-module", "unknown", "success", "env-id"])
 def test_bad_input_is_one_error_naming_the_problem(options, message):
     with pytest.raises(ValueError, match=message):
         make_env("gymnasium", **options)
