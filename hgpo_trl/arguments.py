@@ -90,6 +90,9 @@ class RehearsalArguments:
         default=None, metadata={"help": "--rehearse: the memory of one machine of the real run, in GiB (default: "
                                         "this machine's, when it has a GPU for each process of a machine; else "
                                         "the host memory is projected, not checked)."})
+    rehearse_timeout: float | None = field(
+        default=None, metadata={"help": "--rehearse: seconds a launch may run before it is stopped as hung (default: "
+                                        "5 x what the plan expects of its processes on this machine's cores)."})
 
 
 PAPER_SEEDS = (123, 456, 789)  # the released validation seeds

@@ -5,8 +5,11 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,13 @@ from hgpo_trl.arguments import ConfigError, parse_sections
 from hgpo_trl.cli import main, wants_rehearsal
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rehearsal.launch import cpu_launch_file, read_launch_file
-from hgpo_trl.rehearsal.plan import micro_batch_structure, pads, rehearsal_changes, rehearsal_config
+from hgpo_trl.rehearsal.plan import (
+    launch_bound,
+    micro_batch_structure,
+    pads,
+    rehearsal_changes,
+    rehearsal_config,
+)
 from hgpo_trl.rehearsal.projection import (
     GIB,
     IterationLoad,
@@ -142,6 +151,77 @@ def test_the_launched_runs_do_not_rehearse_again():
     assert not wants_rehearsal(["--rehearse", "false"]) and not wants_rehearsal(["--seed", "1"])
     # The user's value as the parser reads it: the last one given.
     assert user_value(["--bf16", "true", "--bf16", "0"], "bf16", None) is False
+
+
+def test_a_launch_is_bounded_by_what_the_plan_expects_or_by_the_users_timeout(monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(ALFWORLD))
+    _, args, _ = parsed(ROOT / "configs/alfworld/hgpo_k4_qwen2.5-1.5b.yaml")  # 8 rollouts x 3 steps a process
+    seconds, why = launch_bound(args, processes=2, cores=2, iterations=2)
+    assert seconds == 5 * (60 + 2 * 8 * 3 * 2.0) and why.startswith("5 x the ~156 s the plan expects")  # was 3,600
+    assert launch_bound(args, processes=4, cores=2, iterations=1)[0] == 5 * 2 * (60 + 8 * 3 * 2.0)  # shared cores
+    _, dynamic, _ = parsed(ROOT / "configs/alfworld/hgpo_k4_qwen2.5-1.5b.yaml", "--dynamic_sampling", "true",
+                           "--max_rollout_batches", "3")
+    assert launch_bound(dynamic, processes=2, cores=2, iterations=1)[0] == 5 * (60 + 3 * 8 * 3 * 2.0)
+    assert launch_bound(args, 2, 2, 2, timeout=90.0) == (90.0, "--rehearse_timeout")
+
+
+# A launcher's process tree as torch elastic makes it: a rank in a session of its own, with a worker of its own;
+# each writes its pid.
+TREE = textwrap.dedent(r"""
+    import os, subprocess, sys, time
+    worker = ("import subprocess, sys, time; w = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(60)']); open(sys.argv[1], 'a').write(f'{w.pid}\\n'); time.sleep(60)")
+    rank = subprocess.Popen([sys.executable, "-c", worker, sys.argv[1]], start_new_session=True)
+    open(sys.argv[1], "a").write(f"{os.getpid()}\n{rank.pid}\n")
+    time.sleep(60)
+""")
+# The rehearsal's launch of that tree, its error printed as train.py --rehearse prints it.
+LAUNCHER = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+    from hgpo_trl.rehearsal.launch import RehearsalError, run_launches
+    tree, pids, log, timeout = sys.argv[1:]
+    try:
+        run_launches([([sys.executable, tree, pids], Path(log))], dict(os.environ), float(timeout), "the test's")
+    except RehearsalError as err:
+        print(f"train.py --rehearse: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+""")
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "timeout"])
+def test_whatever_stops_a_launch_stops_every_process_it_started(stop, tmp_path):
+    """Ctrl-C (SIGINT), SIGTERM or the bound: the launcher, the rank in its own session and the rank's worker all
+    end, and the rehearsal says so in one line (the bound: with the log to read)."""
+    import psutil
+
+    (tmp_path / "tree.py").write_text(TREE)
+    pids, log = tmp_path / "pids", tmp_path / "launch1.log"
+    # (SIGINT as in a terminal: a test process may have it ignored, which the launched process would inherit)
+    parent = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "tree.py"), str(pids), str(log),
+                               "2" if stop == "timeout" else "60"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and len(pids.read_text().split() if pids.exists() else []) < 3:
+            time.sleep(0.1)
+        if stop != "timeout":
+            parent.send_signal(getattr(signal, stop))
+        _, err = parent.communicate(timeout=30)
+    finally:
+        started = [int(pid) for pid in pids.read_text().split()] if pids.exists() else []
+        alive = [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        for pid in alive:
+            psutil.Process(pid).kill()
+        parent.kill()
+    assert len(started) == 3 and alive == [], f"{len(alive)} of {started} still ran"
+    assert parent.returncode == 1
+    if stop == "timeout":
+        assert err.startswith("train.py --rehearse: the rehearsal's launch failed (no end within 2 s (the test's): "
+                              "hung?)") and f"(read its log: {log}; its end:)" in err
+    else:
+        assert err == (f"train.py --rehearse: interrupted by {stop}: every process the launch started was stopped "
+                       f"(its logs: {log})\n")
 
 
 # ------------------------------------------------------------------ the projection, by hand
@@ -322,6 +402,17 @@ def test_a_rehearsal_without_the_tokenizer_offline_says_which_to_give(capsys, mo
     err = capsys.readouterr().err.strip()
     assert "--rehearse_tokenizer FOLDER" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out-rehearsal").exists()  # refused before writing anything
+
+
+@pytest.mark.parametrize("option", ["--rehearse_timeout", "--host_memory_gib"])
+def test_a_rehearsals_own_bounds_must_be_positive(option, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("ALFWORLD_DATA", str(ALFWORLD))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", "configs/alfworld/hgpo_k4_qwen2.5-1.5b.yaml", "--rehearse", option, "0", "--output_dir",
+              str(tmp_path / "out")])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"train.py: configuration error: RehearsalArguments.{option[2:]} must be > 0, got 0.0\n")
+    assert not (tmp_path / "out-rehearsal").exists()
 
 
 # ------------------------------------------------------------------ rehearsals, 2 processes

@@ -5,13 +5,16 @@ on this host."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ import yaml
 from hgpo_trl.arguments import ConfigError
 
 MARKER = "REHEARSAL"  # a folder holding it is a rehearsal's, which a new rehearsal may clear
+MARK = "HGPO_REHEARSAL_LAUNCH"  # in every launched process's environment: how they are all found and stopped
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # (one the user ignores, as nohup does, stays so)
 
 
 @dataclass(frozen=True)
@@ -133,42 +138,96 @@ def build_model(shape, tokenizer, folder: Path) -> Path:
         return build_model_folder(tiny_twin(shape), tokenizer, folder)
 
 
-def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout: float = 3600.0) -> float:
-    """Run `train.py argv` under `launch_file`, one `accelerate launch` per machine rank, all on this host, in
-    sessions of their own; wall seconds. When one fails (or `timeout` passes) the others are stopped with all
-    their processes (a survivor would wait in a collective for the dead one), and RehearsalError says why."""
+def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout: float, bound: str = "") -> float:
+    """Run `train.py argv` under `launch_file`, one `accelerate launch` per machine rank, all on this host; wall
+    seconds (`run_launches`: `timeout` and `bound`, what set it)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "DS_ACCELERATOR": "cpu"}
-    start = time.time()
-    running = []
-    for rank in range(machines):
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
-                   "--machine_rank", str(rank), "-m", "hgpo_trl.cli", *argv]
-        out = log.with_name(f"{log.stem}{'' if machines == 1 else f'_machine{rank}'}.log")
-        with out.open("w") as file:
-            running.append((subprocess.Popen(command, env=env, stdout=file, stderr=subprocess.STDOUT,
-                                             start_new_session=True), out))
+    commands = [([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
+                  "--machine_rank", str(rank), "-m", "hgpo_trl.cli", *argv],
+                 log.with_name(f"{log.stem}{'' if machines == 1 else f'_machine{rank}'}.log"))
+                for rank in range(machines)]
+    return run_launches(commands, env, timeout, bound)
+
+
+class _Stop(BaseException):
+    """A STOP_SIGNALS signal during a launch (its name)."""
+
+
+def _stop(number: int, frame) -> None:
+    raise _Stop(signal.Signals(number).name)
+
+
+def run_launches(commands: list[tuple[list[str], Path]], env: dict[str, str], timeout: float,
+                 bound: str = "") -> float:
+    """Run each (command, log), all at once; wall seconds once all ended well. When one fails, `timeout` passes
+    (`bound`: what set it), a SIGINT (Ctrl-C), SIGTERM or SIGHUP arrives or anything else goes wrong, every
+    process they started is stopped before this returns or raises (`stop_marked`), and RehearsalError says why
+    and which log to read (one line for a signal)."""
+    mark, start, running = uuid.uuid4().hex, time.time(), []
+    main = threading.current_thread() is threading.main_thread()  # (signal handlers live in the main thread)
+    handlers = {s: signal.signal(s, _stop) for s in STOP_SIGNALS if main and signal.getsignal(s) != signal.SIG_IGN}
     failed = None
-    while failed is None and any(proc.poll() is None for proc, _ in running):
-        failed = next(((proc.returncode, out) for proc, out in running if proc.poll() not in (None, 0)), None)
-        if failed is None and time.time() - start > timeout:
-            failed = (f"no end after {timeout:.0f} s", running[0][1])
-        time.sleep(0.5)
-    failed = failed or next(((proc.returncode, out) for proc, out in running if proc.returncode), None)
-    for proc, _ in running:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher, its ranks and their environment workers
+    try:
+        for command, out in commands:
+            with out.open("w") as file:
+                # In a session of its own: a terminal's Ctrl-C reaches this process alone, which stops them all.
+                running.append((subprocess.Popen(command, env={**env, MARK: mark}, stdout=file,
+                                                 stderr=subprocess.STDOUT, start_new_session=True), out))
+        while failed is None and any(proc.poll() is None for proc, _ in running):
+            failed = next(((f"exit code {proc.returncode}", out) for proc, out in running
+                           if proc.poll() not in (None, 0)), None)
+            if failed is None and time.time() - start > timeout:
+                failed = (f"no end within {timeout:.0f} s{f' ({bound})' if bound else ''}: hung?", running[0][1])
+            time.sleep(0.5)
+        failed = failed or next(((f"exit code {proc.returncode}", out) for proc, out in running if proc.returncode),
+                                None)
+    except _Stop as stop:
+        raise RehearsalError(f"interrupted by {stop}: every process the launch started was stopped (its logs: "
+                             f"{', '.join(str(out) for _, out in running) or 'none yet'})") from None
+    finally:
+        for number in handlers:  # a second Ctrl-C must not cut the stopping short
+            signal.signal(number, signal.SIG_IGN)
+        for proc, _ in running:  # each launcher's process group, then every process that holds the mark
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        stop_marked(mark)
+        for proc, _ in running:
             proc.wait()
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
     if failed is not None:
-        code, out = failed
+        why, out = failed
         lines = out.read_text(errors="replace").splitlines()
         # The first error a process reported, before torch elastic's summary of the failed ranks.
         cause = next((line for line in lines if ("error" in line.lower() or "Traceback" in line)
                       and "ChildFailedError" not in line and "elastic" not in line), "")
         tail = "\n".join(lines[-15:])
-        raise RehearsalError(f"the rehearsal's launch failed ({code}): {cause.strip() or 'see its log'}\n"
-                             f"(the log: {out}; its end:)\n{tail}")
+        raise RehearsalError(f"the rehearsal's launch failed ({why}): {cause.strip() or 'see its log'}\n"
+                             f"(read its log: {out}; its end:)\n{tail}")
     return time.time() - start
+
+
+def stop_marked(mark: str) -> None:
+    """SIGKILL every process whose environment holds `mark` until none is left: the launchers, the ranks (torch
+    elastic starts each in a session of its own, out of reach of its launcher's process group) and their
+    environment workers, wherever they were reparented. psutil is accelerate's own dependency."""
+    import psutil
+
+    def marked(proc) -> bool:
+        try:
+            return proc.environ().get(MARK) == mark
+        except psutil.Error:  # gone, a zombie, or another user's
+            return False
+
+    for _ in range(10):  # (one that outlives SIGKILL this long is stuck in the kernel: left to it)
+        found = [proc for proc in psutil.process_iter() if marked(proc)]
+        if not found:
+            return
+        for proc in found:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(found, timeout=5)
 
 
 class RehearsalError(RuntimeError):

@@ -24,6 +24,11 @@ ENV_STEPS = 3  # per episode
 COMPLETION_TOKENS = 16  # a tiny random model never ends a completion: every one runs to the cap
 ITERATIONS = 3  # 1-2 in the first launch (a checkpoint at 2), 3 in the second, resumed from it
 FIRST_LAUNCH_ITERATIONS = 2
+# What a launch should take, each process alone on a core: its start (imports, the model, DeepSpeed, its
+# environments) and each rollout step (16 tokens generated and trained, the environment stepped). Measured: the
+# ALFWorld 1.5B rehearsal, 2 processes on 2 cores, 24 steps a process an iteration, ran its two launches (3
+# iterations) in 200 s, these expect 264 s (docs/results.md). A launch that takes HUNG times more is taken as hung.
+START_SECONDS, STEP_SECONDS, HUNG = 60.0, 2.0, 5
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,21 @@ def rehearsal_changes(args: HGPOConfig, processes: int, cores: int, *, num_eval_
                     Change("gradient_accumulation_steps", args.gradient_accumulation_steps, per_generation // 2, why),
                     Change("steps_per_generation", args.steps_per_generation, per_generation, why)]
     return [c for c in changes if c.before != c.after]
+
+
+def launch_bound(args: HGPOConfig, processes: int, cores: int, iterations: int,
+                 timeout: float | None = None) -> tuple[float, str]:
+    """(seconds, why): how long a launch of `iterations` rehearsal iterations of `args` may run before it is
+    stopped as hung: `timeout` (--rehearse_timeout) when given, else HUNG times what the plan expects, every
+    process's start and steps (up to max_rollout_batches rollout batches under dynamic_sampling), the processes
+    sharing the host's `cores`."""
+    if timeout is not None:
+        return timeout, "--rehearse_timeout"
+    steps = args.num_generations * min(args.max_env_steps, ENV_STEPS) * (
+        args.max_rollout_batches if args.dynamic_sampling else 1)
+    expected = max(1.0, processes / cores) * (START_SECONDS + iterations * steps * STEP_SECONDS)
+    return HUNG * expected, (f"{HUNG} x the ~{expected:.0f} s the plan expects of {processes} processes on {cores} "
+                             "cores; --rehearse_timeout sets another bound")
 
 
 def rehearsal_config(args: HGPOConfig, processes: int = 1, cores: int = 2) -> HGPOConfig:

@@ -29,7 +29,13 @@ from hgpo_trl.rehearsal.launch import (
     prepare_folder,
     read_launch_file,
 )
-from hgpo_trl.rehearsal.plan import FIRST_LAUNCH_ITERATIONS, ITERATIONS, as_options, rehearsal_changes
+from hgpo_trl.rehearsal.plan import (
+    FIRST_LAUNCH_ITERATIONS,
+    ITERATIONS,
+    as_options,
+    launch_bound,
+    rehearsal_changes,
+)
 from hgpo_trl.rehearsal.projection import (
     IterationLoad,
     Placement,
@@ -53,7 +59,8 @@ from hgpo_trl.rehearsal.report import (
 from hgpo_trl.rehearsal.shapes import ModelShape
 
 CPU_OPTIONS = ["--use_vllm", "false", "--bf16", "false", "--use_cpu", "true"]
-OWN_OPTIONS = {"--rehearse": 0, "--rehearse_tokenizer": 1, "--gpu_memory_gib": 1, "--host_memory_gib": 1}
+OWN_OPTIONS = {"--rehearse": 0, "--rehearse_tokenizer": 1, "--gpu_memory_gib": 1, "--host_memory_gib": 1,
+               "--rehearse_timeout": 1}
 
 
 def without_own_options(argv: list[str]) -> list[str]:
@@ -124,6 +131,7 @@ class Rehearsal:
     folder: Path
     gpu_gib: float
     host_gib: float | None  # None: not checked
+    timeout: float | None  # a launch's, in seconds (None: from the plan)
 
     @property
     def run_dir(self) -> Path:
@@ -132,7 +140,16 @@ class Rehearsal:
 
 def rehearse(argv: list[str]) -> dict[str, Any]:
     """Rehearse the run `argv` describes (train.py's command line, with or without --rehearse); the report,
-    also written to its folder's rehearsal.json."""
+    also written to its folder's rehearsal.json. A Ctrl-C is one RehearsalError line (a launch stops every
+    process it started first)."""
+    try:
+        return rehearsal_report(argv)
+    except KeyboardInterrupt:  # outside the launches, which say it themselves
+        raise RehearsalError("interrupted by SIGINT, with no launch running") from None
+
+
+def rehearsal_report(argv: list[str]) -> dict[str, Any]:
+    """`rehearse` but for its Ctrl-C line."""
     from transformers.trainer_utils import get_last_checkpoint
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -148,7 +165,9 @@ def rehearse(argv: list[str]) -> dict[str, Any]:
     launch_file.write_text(yaml.safe_dump(cpu_launch_file(plan.launch_file, free_port()), sort_keys=False))
     print(f"rehearsal: {plan.launch_file.processes} processes ({machines} machine(s)) under {launch_file}; logs in "
           f"{plan.folder}", flush=True)
-    first = launch(launch_file, machines, base, plan.folder / "launch1.log")
+    cores = os.cpu_count() or 1
+    first = launch(launch_file, machines, base, plan.folder / "launch1.log",
+                   *launch_bound(plan.args, plan.launch_file.processes, cores, FIRST_LAUNCH_ITERATIONS, plan.timeout))
     checkpoint = get_last_checkpoint(str(plan.run_dir))
     if checkpoint is None:
         raise RehearsalError(f"the rehearsal's first launch ended without a checkpoint in {plan.run_dir} (its logs: "
@@ -156,7 +175,9 @@ def rehearse(argv: list[str]) -> dict[str, Any]:
     print(f"rehearsal: iterations 1-{FIRST_LAUNCH_ITERATIONS} in {first:.0f} s; resuming from "
           f"{Path(checkpoint).name}", flush=True)
     second = launch(launch_file, machines, [*base, "--train_iterations", str(ITERATIONS), "--resume_from_checkpoint",
-                                            checkpoint], plan.folder / "launch2.log")
+                                            checkpoint], plan.folder / "launch2.log",
+                    *launch_bound(plan.args, plan.launch_file.processes, cores, ITERATIONS - FIRST_LAUNCH_ITERATIONS,
+                                  plan.timeout))
     launches = [{"name": f"1 (iterations 1-{FIRST_LAUNCH_ITERATIONS})", "wall_s": first},
                 {"name": f"2 (iteration {ITERATIONS}, resumed from {Path(checkpoint).name})", "wall_s": second}]
     report = build_report(plan, launches, Path(checkpoint).name)
@@ -172,6 +193,9 @@ def prepare(argv: list[str]) -> tuple[Rehearsal, Any]:
     from hgpo_trl.rehearsal.shapes import model_shape
 
     options, env_args, args, model_args = parse_sections([*argv, *CPU_OPTIONS], (RehearsalArguments,), "train.py")
+    for name in ("host_memory_gib", "rehearse_timeout"):
+        if (value := getattr(options, name)) is not None and not value > 0:
+            raise ConfigError(f"RehearsalArguments.{name} must be > 0, got {value}")
     config_file = argv[argv.index("--config") + 1] if "--config" in argv else None
     launch_file = read_launch_file(args.accelerate_config, config_file)
     processes, machines = launch_file.processes, launch_file.machines
@@ -193,7 +217,7 @@ def prepare(argv: list[str]) -> tuple[Rehearsal, Any]:
     prepare_folder(folder)
     host_gib = options.host_memory_gib if options.host_memory_gib is not None else this_host_gib(processes // machines)
     return Rehearsal(argv, config_file, launch_file, args, model_args, evaluates, changes, shape, folder,
-                     options.gpu_memory_gib, host_gib), tokenizer
+                     options.gpu_memory_gib, host_gib, options.rehearse_timeout), tokenizer
 
 
 def this_host_gib(processes_per_machine: int) -> float | None:
