@@ -39,10 +39,11 @@ class StopOnSignal(TrainerCallback):
         self.signal_name: str | None = None  # the signal that stopped the run (on every process)
         self.previous: dict[int, object] = {}
         self.boundary = self.iteration_seconds = 0.0
+        self.completed = 0  # the iterations completed at the last boundary (the counters move inside an iteration)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.requested = self.signal_name = None
-        self.boundary = time.monotonic()
+        self.boundary, self.completed = time.monotonic(), self.trainer.completed_iterations
         if threading.current_thread() is threading.main_thread():  # (signal handlers live in the main thread)
             self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
@@ -64,6 +65,7 @@ class StopOnSignal(TrainerCallback):
             return
         now = time.monotonic()
         self.iteration_seconds, self.boundary = now - self.boundary, now
+        self.completed = self.trainer.completed_iterations
         if any_process(self.trainer.accelerator, self.requested is not None):
             self.signal_name = self.requested or "a signal on another process"
             control.should_evaluate = False  # the user wants the run to end: the checkpoint, then out
@@ -75,7 +77,7 @@ class StopOnSignal(TrainerCallback):
             _say(f"[stop] {name} again: stopping at once; nothing since the last checkpoint is saved")
             raise KeyboardInterrupt
         self.requested = name
-        iteration = self.trainer.completed_iterations + 1
+        iteration = self.completed + 1
         took = f"iterations take ~{seconds(self.iteration_seconds)}, " if self.iteration_seconds else ""
         launched = ("; the launcher kills the ranks " + os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
                     + " s after it forwards a signal (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"

@@ -84,3 +84,24 @@ def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd)
     assert err[-2] == "[stop] SIGINT again: stopping at once; nothing since the last checkpoint is saved"
     assert err[-1] == "train.py: interrupted; nothing saved since the last checkpoint (none)"
     assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_a_signal_during_an_iteration_s_training_names_that_iteration(tmp_path, monkeypatch, capfd):
+    """Under fixed_budget the iteration count moves when the rollout ends, before its training: a signal then
+    still waits for that iteration, and the line says which."""
+    from hgpo_trl.cli import main
+
+    loss = HGPOTrainer.compute_loss
+
+    def computing(self, *args, **kwargs):
+        if self._iteration == 2 and not getattr(self, "signalled", False):
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss(self, *args, **kwargs)
+
+    monkeypatch.setattr(HGPOTrainer, "compute_loss", computing)
+    with pytest.raises(SystemExit):
+        main(["--config", write(tmp_path, RUN)])
+    out, err = capfd.readouterr()
+    assert "[stop] SIGTERM: the run stops when iteration 2 ends" in err
+    assert "train.py: stopped by SIGTERM after iteration 2;" in out
