@@ -241,7 +241,7 @@ def wants_rehearsal(argv: list[str]) -> bool:
 def rehearse_main(argv: list[str]) -> None:
     """`--rehearse`: the rehearsal's report; exit 0 when every check passed, 1 when one failed or a launch
     did, 2 on a configuration error."""
-    from hgpo_trl.rehearsal.launch import RehearsalError
+    from hgpo_trl.rehearsal.launch import RehearsalError, rehearsal_failed
     from hgpo_trl.rehearsal.rehearse import passed, rehearse
 
     with entry_point_scope():
@@ -251,8 +251,7 @@ def rehearse_main(argv: list[str]) -> None:
             print(f"train.py: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         except RehearsalError as err:
-            print(f"train.py --rehearse: {err}", file=sys.stderr)
-            raise SystemExit(1) from None
+            rehearsal_failed(err)  # one line; exit 1, or 128 + the signal that stopped it
     raise SystemExit(0 if passed(report) else 1)
 
 

@@ -179,13 +179,12 @@ TREE = textwrap.dedent(r"""
 LAUNCHER = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    from hgpo_trl.rehearsal.launch import RehearsalError, run_launches
+    from hgpo_trl.rehearsal.launch import RehearsalError, rehearsal_failed, run_launches
     tree, pids, log, timeout = sys.argv[1:]
     try:
         run_launches([([sys.executable, tree, pids], Path(log))], dict(os.environ), float(timeout), "the test's")
     except RehearsalError as err:
-        print(f"train.py --rehearse: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
+        rehearsal_failed(err)
 """)
 
 
@@ -215,7 +214,7 @@ def test_whatever_stops_a_launch_stops_every_process_it_started(stop, tmp_path):
             psutil.Process(pid).kill()
         parent.kill()
     assert len(started) == 3 and alive == [], f"{len(alive)} of {started} still ran"
-    assert parent.returncode == 1
+    assert parent.returncode == (1 if stop == "timeout" else 128 + getattr(signal, stop))  # (as a shell reports it)
     if stop == "timeout":
         assert err.startswith("train.py --rehearse: the rehearsal's launch failed (no end within 2 s (the test's): "
                               "hung?)") and f"(read its log: {log}; its end:)" in err

@@ -183,8 +183,9 @@ def run_launches(commands: list[tuple[list[str], Path]], env: dict[str, str], ti
         failed = failed or next(((f"exit code {proc.returncode}", out) for proc, out in running if proc.returncode),
                                 None)
     except _Stop as stop:
-        raise RehearsalError(f"interrupted by {stop}: every process the launch started was stopped (its logs: "
-                             f"{', '.join(str(out) for _, out in running) or 'none yet'})") from None
+        raise RehearsalInterrupted(f"interrupted by {stop}: every process the launch started was stopped (its logs: "
+                                   f"{', '.join(str(out) for _, out in running) or 'none yet'})",
+                                   getattr(signal, str(stop))) from None
     finally:
         for number in handlers:  # a second Ctrl-C must not cut the stopping short
             signal.signal(number, signal.SIG_IGN)
@@ -232,3 +233,17 @@ def stop_marked(mark: str) -> None:
 
 class RehearsalError(RuntimeError):
     """A rehearsal launch failed: what a real run of this config would have met."""
+
+
+class RehearsalInterrupted(RehearsalError):
+    """A signal stopped the rehearsal (`signal`: its number, for the exit status 128 + it)."""
+
+    def __init__(self, message: str, number: int):
+        super().__init__(message)
+        self.signal = number
+
+
+def rehearsal_failed(err: RehearsalError) -> None:
+    """train.py --rehearse's end on `err`: one line; exit 1, or 128 + the signal that stopped it (as a shell says)."""
+    print(f"train.py --rehearse: {err}", file=sys.stderr)
+    raise SystemExit(128 + err.signal if isinstance(err, RehearsalInterrupted) else 1) from None
