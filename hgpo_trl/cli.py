@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> None:
         except EnvironmentFaults as err:  # the environment kept failing: the message says what was saved
             print(f"train.py: {err}", file=sys.stderr)
             raise SystemExit(1) from None
-        except KeyboardInterrupt:  # before training, or a second signal during it
-            print(f"train.py: interrupted; nothing saved since the last checkpoint "
-                  f"({last_checkpoint(args.output_dir) or 'none'})", file=sys.stderr)
+        except KeyboardInterrupt as err:  # before training, or a second signal during it
+            print(f"train.py: {err or 'interrupted; nothing since the last checkpoint is saved'} (the last checkpoint: "
+                  f"{last_checkpoint(args.output_dir) or 'none'})", file=sys.stderr)
             raise SystemExit(130) from None
     if summary["stopped_by_signal"]:
         print(f"train.py: stopped by {summary['stopped_by_signal']} after iteration {summary['iterations']}; "

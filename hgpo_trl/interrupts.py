@@ -74,8 +74,7 @@ class StopOnSignal(TrainerCallback):
     def _handle(self, number: int, frame) -> None:
         name = signal.Signals(number).name
         if self.requested is not None:
-            _say(f"[stop] {name} again: stopping at once; nothing since the last checkpoint is saved")
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(f"{name} again: stopped at once; nothing since the last checkpoint is saved")
         self.requested = name
         iteration = self.completed + 1
         took = f"iterations take ~{seconds(self.iteration_seconds)}, " if self.iteration_seconds else ""

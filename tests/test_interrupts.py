@@ -81,8 +81,8 @@ def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd)
         main(["--config", write(tmp_path, RUN)])
     assert stop.value.code == 130 and started == [1, 2]
     err = capfd.readouterr().err.strip().splitlines()
-    assert err[-2] == "[stop] SIGINT again: stopping at once; nothing since the last checkpoint is saved"
-    assert err[-1] == "train.py: interrupted; nothing saved since the last checkpoint (none)"
+    assert err[-1] == ("train.py: SIGINT again: stopped at once; nothing since the last checkpoint is saved (the last "
+                       "checkpoint: none)") and err[-2].startswith("[stop] SIGINT: the run stops when")
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
 
