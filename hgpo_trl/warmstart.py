@@ -122,7 +122,8 @@ def environment_corpus(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episode
     """Texts that cover what the environment's prompts and actions can hold (tiny-tokenizer training data): the
     texts of `episodes` random episodes, or, for an environment that lists its words (`env.vocabulary(tasks)`,
     e.g. ALFWorld, where every new game costs seconds), those and two episodes for the prompt's own words."""
-    texts = [*FORMAT_INSTRUCTIONS.values(), "Nothing happens."]
+    # The text modes' instructions (a new mode's would change every tiny model's vocabulary, the quickstart's too).
+    texts = [FORMAT_INSTRUCTIONS["tags"], FORMAT_INSTRUCTIONS["plain"], "Nothing happens."]
     if callable(getattr(env, "vocabulary", None)):
         texts += env.vocabulary(tasks)
         episodes = min(episodes, 2)

@@ -173,3 +173,16 @@ def test_plain_save_pretrained_reloads_as_saved_even_after_a_reload(model, token
         loaded = AutoTokenizer.from_pretrained(path, local_files_only=True)
         assert loaded.encode(text) == tokenizer.encode(text)
         assert loaded.unk_token_id not in loaded.encode("go to hall")
+
+
+def test_the_quickstart_s_tokenizer_is_the_one_its_figures_were_measured_with():
+    """The tiny tokenizer's words are the environment's texts and the format instructions of the text action
+    modes: a new mode's instruction (or any new text in the corpus) changed the quickstart's vocabulary, so its
+    model, its measured learning, and the resume of a run saved before the change (the embedding rows differ)."""
+    from hgpo_trl.envs import make_tasks
+    from hgpo_trl.tiny import make_tiny
+
+    tasks = list(make_tasks("keydoor", "train", num_rooms=6, num_colors=6))  # configs/quickstart.yaml's
+    _, tokenizer = make_tiny("keydoor", tasks, env_kwargs={"coin_reward": 0.0, "key_reward": 3.0}, hidden_size=16,
+                             num_layers=1, num_heads=2)
+    assert len(tokenizer) == 78
