@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from accelerate import PartialState
 from trl import ModelConfig, get_peft_config
 
 from hgpo_trl.arguments import (
@@ -129,6 +130,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args))
     trainer.clock.start = start
+    trainer.signal_stop.announce = False  # (main's last line names the checkpoint, with the command that resumes it)
     if eval_tasks is not None and env_args.eval_before_training and not args.resume_from_checkpoint:
         # (a resumed run has it in its log history)
         trainer.add_callback(EvaluationBeforeTraining(trainer.evaluate()))
@@ -196,10 +198,11 @@ def main(argv: list[str] | None = None) -> None:
         except KeyboardInterrupt as err:  # before training, or a second signal during it
             print(f"train.py: {err or 'interrupted; nothing since the last checkpoint is saved'} (the last checkpoint: "
                   f"{last_checkpoint(args.output_dir) or 'none'})", file=sys.stderr)
-            raise SystemExit(130) from None
+            raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
     if summary["stopped_by_signal"]:
-        print(f"train.py: stopped by {summary['stopped_by_signal']} after iteration {summary['iterations']}; "
-              f"checkpoint {summary['checkpoint']}; resume with: {resume_command(argv, summary['checkpoint'])}")
+        if PartialState().is_main_process:  # (every process stopped; one line)
+            print(f"train.py: stopped by {summary['stopped_by_signal']} after iteration {summary['iterations']}; "
+                  f"checkpoint {summary['checkpoint']}; resume with: {resume_command(argv, summary['checkpoint'])}")
         raise SystemExit(128 + getattr(signal, summary["stopped_by_signal"], signal.SIGTERM))
     early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
     print(f"validation success {rounded(summary['success_rate_start'])} -> {rounded(summary['success_rate_end'])} in "

@@ -5,7 +5,7 @@ wherever it is, losing every iteration since the last checkpoint. While `HGPOTra
 SIGINT or SIGTERM only sets a flag (and prints one line); at the end of the iteration being played every process
 asks whether any process saw one (one collective decision: a signal that reached a single rank stops them all
 at the same boundary), and if so the run skips that boundary's evaluation, saves a checkpoint and stops. A second
-signal stops at once: `KeyboardInterrupt`, nothing saved.
+signal stops at once: `SecondSignal`, a `KeyboardInterrupt`, nothing saved.
 
 Under `accelerate launch` (torchrun) the launcher forwards the signal to every rank and kills them
 `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds later (30 by default): set it above an iteration's time at the launch.
@@ -17,6 +17,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
@@ -29,29 +31,47 @@ if TYPE_CHECKING:
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
+class SecondSignal(KeyboardInterrupt):
+    """A second signal: the run stops at once (`signal`: its number, for the exit status 128 + it)."""
+
+    def __init__(self, message: str, number: int):
+        super().__init__(message)
+        self.signal = number
+
+
 class StopOnSignal(TrainerCallback):
-    """The stop on a signal, as a callback: handlers installed for the span of `train()`, the decision at every
-    iteration boundary. `signal_name` is the signal that stopped the run (None: none did)."""
+    """The stop on a signal, as a callback: handlers installed for the span of `train()` (`installed`), the decision
+    at every iteration boundary. `signal_name` is the signal that stopped the run (None: none did); `announce`:
+    print where the checkpoint is at the end (train.py prints its own line, with the command that resumes it)."""
 
     def __init__(self, trainer: HGPOTrainer):
         self.trainer = trainer
         self.requested: str | None = None  # the first signal seen on this process
         self.signal_name: str | None = None  # the signal that stopped the run (on every process)
-        self.previous: dict[int, object] = {}
+        self.announce = True
         self.boundary = self.iteration_seconds = 0.0
         self.completed = 0  # the iterations completed at the last boundary (the counters move inside an iteration)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers while the block runs, the previous ones put back however it ends (the Trainer calls no
+        on_train_end when training raises). Signal handlers live in the main thread: elsewhere, none."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {number: signal.signal(number, self._handle) for number in SIGNALS}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.requested = self.signal_name = None
         self.boundary, self.completed = time.monotonic(), self.trainer.completed_iterations
-        if threading.current_thread() is threading.main_thread():  # (signal handlers live in the main thread)
-            self.previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
 
     def on_train_end(self, args, state, control, **kwargs):
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-        self.previous = {}
-        if self.signal_name and state.is_world_process_zero:
+        if self.signal_name and self.announce and state.is_world_process_zero:
             print(f"[stop] stopped by {self.signal_name} after iteration {self.trainer.completed_iterations}: "
                   f"{self.checkpoint} holds it (resume_from_checkpoint)", flush=True)
 
@@ -74,7 +94,7 @@ class StopOnSignal(TrainerCallback):
     def _handle(self, number: int, frame) -> None:
         name = signal.Signals(number).name
         if self.requested is not None:
-            raise KeyboardInterrupt(f"{name} again: stopped at once; nothing since the last checkpoint is saved")
+            raise SecondSignal(f"{name} again: stopped at once; nothing since the last checkpoint is saved", number)
         self.requested = name
         iteration = self.completed + 1
         took = f"iterations take ~{seconds(self.iteration_seconds)}, " if self.iteration_seconds else ""

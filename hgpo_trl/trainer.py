@@ -6,8 +6,7 @@ parent's machinery (clipped loss, KL, optimizer, logging) trains on them, in one
 (`HGPOConfig.step_batching`, `hgpo_trl.step_batches`): a fixed budget of samples through TRL's own buffer, or
 every step once in as many optimizer steps as the steps fill (as released). Only what per-step samples require
 is overridden: the task dataloader, the batch (`_generate_and_score_completions`, `_prepare_inputs`), the
-schedule, checkpoints and `evaluate`; what each override needs lives in the module named for it (generation,
-loss_inputs, evaluation, checkpoints, metrics: docs/architecture.md).
+schedule, checkpoints and `evaluate`; each override's needs live in modules named for them (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -333,7 +332,8 @@ class HGPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """The parent's, from the checkpoint `check_resume` accepts (another number of processes, damage: refused)."""
         checkpoint = check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
-        return super().train(checkpoint, trial, ignore_keys_for_eval, **kwargs)
+        with self.signal_stop.installed():  # (Ctrl-C / SIGTERM: hgpo_trl.interrupts)
+            return super().train(checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _issue_warnings_after_load(self, load_result) -> None:
         super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))

@@ -62,7 +62,8 @@ def test_a_signal_mid_iteration_stops_at_its_end_with_a_checkpoint_and_the_resum
     assert (summary["iterations"], summary["stopped_by_signal"]) == (4, None)
 
 
-def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd):
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd, number):
     from hgpo_trl.cli import main
 
     started: list[int] = []
@@ -72,18 +73,37 @@ def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd)
         if description == "rollout":  # (a training rollout, not an evaluation chunk)
             started.append(self._iteration + 1)
             if len(started) == 2:
-                os.kill(os.getpid(), signal.SIGINT)
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), number)
+                os.kill(os.getpid(), number)
         return play(self, tasks, group_size, temperature, description)
 
     monkeypatch.setattr(HGPOTrainer, "_play", playing)
     with pytest.raises(SystemExit) as stop:
         main(["--config", write(tmp_path, RUN)])
-    assert stop.value.code == 130 and started == [1, 2]
+    assert stop.value.code == 128 + number and started == [1, 2]  # (as a shell reports a process the signal ended)
+    name = signal.Signals(number).name
     err = capfd.readouterr().err.strip().splitlines()
-    assert err[-1] == ("train.py: SIGINT again: stopped at once; nothing since the last checkpoint is saved (the last "
-                       "checkpoint: none)") and err[-2].startswith("[stop] SIGINT: the run stops when")
+    assert err[-1] == (f"train.py: {name} again: stopped at once; nothing since the last checkpoint is saved (the last "
+                       "checkpoint: none)") and err[-2].startswith(f"[stop] {name}: the run stops when")
     assert not list((tmp_path / "out").glob("checkpoint-*"))
+    assert signal.getsignal(number) in (signal.default_int_handler, signal.SIG_DFL)  # put back, though train() raised
+
+
+def test_the_handlers_are_put_back_when_training_fails(tmp_path, tiny_model, tiny_tokenizer):
+    """The Trainer calls no on_train_end when training raises: a notebook kept our handler (a Ctrl-C then only
+    asked for a stop, and the trainer stayed alive in it)."""
+    from tests.test_trainer import make_config, make_trainer
+
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path))
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected: the rollout failed")
+
+    trainer._play = failing
+    with pytest.raises(RuntimeError, match="injected"):
+        trainer.train()
+    assert {number: signal.getsignal(number) for number in before} == before
 
 
 def test_a_signal_during_an_iteration_s_training_names_that_iteration(tmp_path, monkeypatch, capfd):
