@@ -188,8 +188,10 @@ def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], Te
     """A worker's loop: (command, [(index, argument)]) in, [StepResult] out; None or a closed pipe ends it."""
     # Ctrl-C reaches the whole process group, a scheduler's SIGTERM every process of the job: the main process
     # decides when the workers stop (it finishes its iteration first: hgpo_trl.interrupts).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A handler that does nothing, not SIG_IGN: the processes an environment starts would inherit SIG_IGN (and
+    # then never stop on their own terminate()); a handler resets to the default in them.
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, _ignore)
     # The main process's own stop after a timeout (_stop): still close the environments (and their processes).
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(1))
     envs = _Envs(factory, indices)
@@ -237,6 +239,10 @@ def _stop(workers: list[_Worker], grace: float) -> None:
                 worker.process.join(1.0)
         worker.conn.close()
     workers.clear()
+
+
+def _ignore(number: int, frame) -> None:
+    """A worker's handler of the signals it leaves to the main process."""
 
 
 def _ask_to_stop(process: multiprocessing.process.BaseProcess) -> None:

@@ -5,6 +5,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import warnings
 
@@ -241,3 +242,27 @@ def test_a_scheduler_s_sigint_or_sigterm_to_every_process_leaves_the_workers_pla
     time.sleep(0.2)
     results = batch.step(dict.fromkeys(range(4), GOLD_PATH[0]))
     assert all(r.fault is None for r in results.values()) and batch.faults == 0
+
+
+class SpawningEnv(KeyDoorEnv):
+    """Keydoor whose reset starts a helper process (as an environment may: a server, an engine) and reports how
+    that process takes SIGTERM."""
+
+    def reset(self, task):
+        import subprocess
+
+        probe = "import signal; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"
+        default = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+        observation, info = super().reset(task)
+        return observation, {**info, "helper_sigterm_default": default == "True"}
+
+
+def test_an_environment_s_own_processes_still_stop_on_sigterm():
+    """The worker ignores a scheduler's SIGTERM by a handler of its own, not by SIG_IGN, which a process the
+    environment starts would inherit (and then never stop on terminate())."""
+    batch = WorkerPoolEnvs(SpawningEnv, 1, num_workers=1)
+    try:
+        (result,) = batch.reset([TASK])
+        assert result.fault is None and result.info["helper_sigterm_default"]
+    finally:
+        batch.close()
