@@ -246,7 +246,8 @@ def damaged_file(checkpoint: str | Path) -> str | None:
         return f"{folder} is not a folder"
     if not (folder / TRAINER_STATE_NAME).is_file():
         return f"{folder / TRAINER_STATE_NAME} is missing"
-    if not any((folder / name).is_file() for name in WEIGHTS_FILES) and not any(folder.glob("global_step*")):
+    sharded = any(folder.glob("global_step*")) or any(folder.glob("pytorch_model_fsdp*"))  # DeepSpeed's, FSDP's
+    if not any((folder / name).is_file() for name in WEIGHTS_FILES) and not sharded:
         return f"{folder} holds no model weights ({', '.join(WEIGHTS_FILES[:3])}, ...)"
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         try:

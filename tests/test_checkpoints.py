@@ -257,3 +257,20 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_true_falls_back_to_the_ne
     optimizer = checkpoints(tmp_path / "out")[-1] / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:-100])  # a torch file cut short: its zip directory is gone
     assert damaged_file(optimizer.parent).startswith(f"{optimizer} is damaged (BadZipFile: ")
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model_fsdp_0/__0_0.distcp", "global_step4/x.pt",
+                                     None])
+def test_a_checkpoint_s_weights_are_found_whatever_saved_them(tmp_path, weights):
+    """transformers saves sharded FSDP state as pytorch_model_fsdp_0/*.distcp and DeepSpeed its own folder: both
+    resume, so neither is 'no model weights'; a checkpoint with none of them is."""
+    from hgpo_trl.checkpoints import damaged_file
+
+    (tmp_path / "trainer_state.json").write_text("{}")
+    if weights == "model.safetensors":
+        save_file({"w": torch.zeros(1)}, tmp_path / weights)
+    elif weights is not None:
+        (tmp_path / weights).parent.mkdir()
+        torch.save({"w": torch.zeros(1)}, tmp_path / weights)
+    problem = damaged_file(tmp_path)
+    assert problem is None if weights else problem.startswith(f"{tmp_path} holds no model weights")
