@@ -24,7 +24,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 # The cores this process may use. Not a bare nproc: it answers OMP_NUM_THREADS, which CI sets to 1.
 CORES := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 
-.PHONY: test test-all demo install lint bench system-deps deepspeed-ops clean gpu-wheels rehearse rehearse-all
+.PHONY: test test-all demo install lint bench system-deps browser-deps deepspeed-ops clean gpu-wheels rehearse rehearse-all
 
 # One stamp per set of extras: `make test` after `make demo` adds what the tests need. The venv goes first on
 # PATH because fast-downward-textworld's build (alfworld) runs a bare `python build.py`.
@@ -46,6 +46,14 @@ system-deps:
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq cmake g++ make; \
 	fi
 
+# The trajectory viewer's test opens its page in a real browser: Debian's headless Chromium, for the complete
+# suite only (the test is in the slow tier, and skips, saying why, where no chromium is found).
+browser-deps:
+	@if ! command -v chromium >/dev/null; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; \
+	fi
+
 deepspeed-ops:
 	PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import \
 		build_shm_op; build_shm_op() or print('DeepSpeed has no CPU shared-memory op here: it uses gloo alone')"
@@ -63,7 +71,7 @@ test: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(PYTEST) -m "not slow" -p randomly --randomly-seed=$(TEST_SEED) $(PYTEST_ARGS)
 
 # Every test, in the same order each run: CI's command.
-test-all: $(VENV)/.installed-$(TEST_EXTRAS)
+test-all: $(VENV)/.installed-$(TEST_EXTRAS) browser-deps
 	$(BIN)/ruff check .
 	$(PYTEST) -p no:randomly $(PYTEST_ARGS)
 

@@ -42,6 +42,7 @@ from hgpo_trl.reporting import (
     start_evaluation,
     write_summary,
 )
+from hgpo_trl.trajectories import to_html
 
 __all__ = ["TINY", "ConfigError", "EnvArguments", "load_model", "load_tasks", "main", "parse", "run"]
 
@@ -165,6 +166,8 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
                    "model": dataclasses.asdict(model_args)},
     }
     if trainer.accelerator.is_main_process:
+        if args.trajectory_dump_every:  # the run's dumps drawn for a browser (hgpo-view)
+            summary["trajectory_view"] = str(to_html(args.output_dir))
         write_summary(args.output_dir, summary)
         if env_args.plots:
             plot_learning(trainer.state.log_history, Path(args.output_dir) / "learning.png")
@@ -205,9 +208,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"checkpoint {summary['checkpoint']}; resume with: {resume_command(argv, summary['checkpoint'])}")
         raise SystemExit(128 + getattr(signal, summary["stopped_by_signal"], signal.SIGTERM))
     early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
+    view = f"; what the agent did: {summary['trajectory_view']}" if "trajectory_view" in summary else ""
     print(f"validation success {rounded(summary['success_rate_start'])} -> {rounded(summary['success_rate_end'])} in "
           f"{summary['iterations']} iterations{early}, {summary['wall_seconds']:.0f} s; see "
-          f"{args.output_dir}/summary.json")
+          f"{args.output_dir}/summary.json{view}")
 
 
 def last_checkpoint(output_dir: str) -> str | None:

@@ -32,7 +32,7 @@ def play_in_chunks(tasks: Sequence[Mapping[str, Any]], chunk_size: int,
     """Every task played once, `chunk_size` at a time by `play_chunk(tasks, chunk_index, chunks)` (one rollout
     per task), in at least `min_chunks` calls: a process whose tasks are done still plays empty chunks while
     another's are not (generation may be collective). The episodes in task order and, with `record_args` (the
-    config's gamma, invalid_penalty and depth), the step records, episodes numbered across chunks so that a
+    config, as `rollout_records` reads it), the step records, episodes numbered across chunks so that a
     reader keeps them apart."""
     chunks = max(min_chunks, math.ceil(len(tasks) / chunk_size))
     episodes: list[Episode] = []
@@ -42,9 +42,7 @@ def play_in_chunks(tasks: Sequence[Mapping[str, Any]], chunk_size: int,
         rollout = play_chunk(chunk, c, chunks)
         episodes += rollout.episodes  # one rollout per task: episode k played chunk[k]
         if record_args is not None:
-            for record in rollout_records(rollout, chunk, None, gamma=record_args.gamma,
-                                          invalid_penalty=record_args.invalid_penalty, depth=record_args.depth,
-                                          similarity_threshold=record_args.similarity_threshold):
+            for record in rollout_records(rollout, chunk, None, record_args):
                 record["episode"] += c * chunk_size
                 records.append(record)
     return episodes, records

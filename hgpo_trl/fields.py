@@ -101,8 +101,9 @@ class HGPOFields:
         default=2, metadata={"help": "H: earlier (observation, action) pairs shown in each step's prompt."})
     action_mode: str = field(
         default="tags", metadata={"help": "'tags': answer inside <action></action> after <think></think> "
-                                          "(as released); 'plain': the whole completion is the action."})
-    require_think: bool = field(default=True, metadata={"help": "tags mode: require a <think></think> block."})
+                                          "(as released); 'plain': the whole completion is the action; 'tool': "
+                                          "a tool call after <think></think> (env_name trl, TRL classes)."})
+    require_think: bool = field(default=True, metadata={"help": "tags and tool modes: require a <think></think> block."})
     reject_cjk: bool = field(default=True, metadata={"help": "Treat outputs with CJK characters as invalid."})
     invalid_action: str = field(
         default="noop", metadata={"help": "What an invalid output does: 'noop' (the env does nothing, the episode "
@@ -161,9 +162,10 @@ class HGPOFields:
 
     trajectory_dump_every: int = field(
         default=0, metadata={"help": "Every this many iterations, and at every evaluation, write each step (task, "
-                                     "prompt, output, action, reward, return, advantage, HGPO peer levels) to "
-                                     "output_dir/trajectories/*.jsonl (python -m hgpo_trl.trajectories reads "
-                                     "them); 0: never."})
+                                     "prompt, output, action, reward, return, advantage, HGPO groups and level "
+                                     "weights) to output_dir/trajectories/*.jsonl (python -m "
+                                     "hgpo_trl.trajectories reads them), and at the end draw the run's newest in "
+                                     "output_dir/trajectories.html (hgpo-view); 0: never."})
 
     # Evaluation
     eval_temperature: float = field(

@@ -201,9 +201,7 @@ class HGPOTrainer(GRPOTrainer):
                                      f"{self.args.estimator!r}); the parameters were not updated")
         every = self.args.trajectory_dump_every
         if every and self._iteration % every == 0:
-            self._dump(f"iter_{self._iteration + 1:06d}", rollout_records(
-                rollout, tasks, advantages, gamma=self.args.gamma, invalid_penalty=self.args.invalid_penalty,
-                depth=self.args.depth, similarity_threshold=self.args.similarity_threshold))
+            self._dump(f"iter_{self._iteration + 1:06d}", rollout_records(rollout, tasks, advantages, self.args))
         return rollout, batch, advantages, advantage_seconds
 
     # ------------------------------------------------------------------ fixed_budget: through TRL's buffer

@@ -95,11 +95,16 @@ warmstart_steps: 3
 warmstart_batch_size: 8
 train_iterations: 2
 save_strategy: "no"
+trajectory_dump_every: 1
 """)
     main(["--config", config])
     out = tmp_path / "out"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iterations"] == 2 and summary["optimizer_steps"] == 2
+    # The run's dumps drawn in one page, which summary.json names: both iterations and the evaluations.
+    view = Path(summary["trajectory_view"]).read_text()
+    assert summary["trajectory_view"] == str(out / "trajectories.html")
+    assert all(f'"name":"{name}"' in view for name in ("iter_000001", "iter_000002", "eval_step_000000"))
     assert 0 <= summary["success_rate_start"] <= 1 and 0 <= summary["success_rate_end"] <= 1
     assert summary["wall_seconds"] > 0 and summary["config"]["trainer"]["env_name"] == "keydoor"
     assert (out / "learning.png").stat().st_size > 0 and (out / "hgpo_levels.png").stat().st_size > 0

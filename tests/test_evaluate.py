@@ -286,7 +286,7 @@ def test_hgpo_eval_plays_the_same_games_as_the_trainers_evaluation(tmp_path, tin
     metrics = trainer.evaluate()
     [dump] = (tmp_path / "trainer" / "trajectories").glob("eval_*.jsonl")
     theirs = read_records(dump)
-    key = lambda r: (json.dumps(r["task"], sort_keys=True), r["t"])  # noqa: E731
+    key = lambda r: (json.dumps(r["task"], sort_keys=True), r["step"])  # noqa: E731
     assert len(ours) == len(theirs) == 3 * 4
     assert [(r["prompt"], r["output"]) for r in sorted(ours, key=key)] == \
            [(r["prompt"], r["output"]) for r in sorted(theirs, key=key)]
@@ -351,7 +351,7 @@ def test_the_same_games_give_the_same_success_score_and_faults_in_every_report(t
         numbers(summarize(read_records(tmp_path / "eval" / "trajectories" / "model_valid_seed1.jsonl")))
     records = read_records(dump)
     [outcome] = [r for r in records if r["episode_fault"]]  # the faulted episode: its outcome, no step
-    assert outcome["t"] is None and "injected" in show_episode(records, outcome["episode"]).splitlines()[0]
+    assert outcome["step"] is None and "injected" in show_episode(records, outcome["episode"]).splitlines()[0]
     played = summarize(read_records(iteration_dump))
     assert log["env/faults"] == played["faulted"] > 0 and log["env/success_rate"] == played["success_rate"]
     assert log["env/score"] == pytest.approx(played["score"]) == pytest.approx(0.5 * 2 / 4)  # 2 of 4 episodes faulted

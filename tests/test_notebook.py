@@ -32,4 +32,8 @@ def test_the_notebook_runs_and_learns(tmp_path, monkeypatch):
     assert after >= before + 0.25, printed[-2000:]
     assert (tmp_path / "learning.png").stat().st_size > 0
     assert any(output.get("output_type") == "execute_result" and "image/png" in output.get("data", {})
-               for output in notebook.cells[-1].outputs)
+               for output in notebook.cells[-3].outputs)
+    # The trajectory viewer, inline: the page in an iframe, its dumps inside.
+    [shown] = [o["data"]["text/html"] for o in notebook.cells[-1].outputs if o.get("output_type") == "execute_result"]
+    assert shown.startswith("<iframe srcdoc=") and "id=&quot;dump-0&quot;" in shown
+    assert (tmp_path / "trajectories.html").stat().st_size > 0

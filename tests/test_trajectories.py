@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from hgpo_trl.advantages import compute_advantages, hgpo_level_stats
+from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
-from hgpo_trl.trajectories import read_records, rollout_records, show_episode, summarize, write_records
+from hgpo_trl.trajectories import main, read_records, rollout_records, show_episode, summarize, write_records
 from tests.test_trainer import make_config, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,15 +40,22 @@ def scripted_rollout():
     return task, rollout
 
 
+def record_config(**fields) -> HGPOConfig:
+    """The fields rollout_records reads: the returns' gamma and penalty, HGPO's depth and options."""
+    return HGPOConfig(output_dir="unused", use_cpu=True, report_to="none", history_length=2,
+                      **{"gamma": 0.95, "invalid_penalty": 0.1, **fields})
+
+
 def test_records_hold_every_field_of_every_step(tmp_path):
     task, rollout = scripted_rollout()
-    advantages = compute_advantages("hgpo", rollout.step_batch(), gamma=1.0, norm="mean_norm", invalid_penalty=0.0)
-    records = rollout_records(rollout, [task], advantages, gamma=1.0, invalid_penalty=0.0, depth=2)
+    config = record_config(gamma=1.0, advantage_norm="mean_norm", invalid_penalty=0.0)
+    advantages = compute_advantages("hgpo", rollout.step_batch(), **config.estimator_options())
+    records = rollout_records(rollout, [task], advantages, config)
     path = write_records(tmp_path / "d.jsonl", records)
     back = read_records(path)
     assert back == json.loads(json.dumps(records)) and len(back) == len(rollout.steps) == 9
     first = [r for r in back if r["episode"] == 0]
-    assert [r["t"] for r in first] == [0, 1, 2, 3] and first[-1]["reward"] == 10.0 and first[0]["return"] == 10.0
+    assert [r["step"] for r in first] == [0, 1, 2, 3] and [r["window"] for r in first] == [0, 1, 2, 2] and first[-1]["reward"] == 10.0 and first[0]["return"] == 10.0
     assert first[0]["episode_won"] and first[0]["task"] == dict(task) and "Task:" in first[0]["prompt"]
     invalid = [r for r in back if not r["valid"]]
     assert len(invalid) == 1 and invalid[0]["action"] is None and invalid[0]["output"] == ""
@@ -55,15 +63,14 @@ def test_records_hold_every_field_of_every_step(tmp_path):
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in back] == [
         (len(s.completion.prompt_ids), len(s.completion.completion_ids)) for s in rollout.steps]
     # Both rollouts start from the same observation: a level-0 peer at t = 0.
-    assert all(0 in r["peer_levels"] for r in back if r["t"] == 0)
+    assert all(0 in r["peer_levels"] for r in back if r["step"] == 0)
 
 
 def test_peer_levels_key_on_similarity_clusters_as_the_logged_level_stats_do():
     task, rollout = scripted_rollout()
     counts = {}
     for threshold in (None, 0.3):
-        records = rollout_records(rollout, [task], None, gamma=0.95, invalid_penalty=0.1, depth=2,
-                                  similarity_threshold=threshold)
+        records = rollout_records(rollout, [task], None, record_config(similarity_threshold=threshold))
         counts[threshold] = [sum(k in r["peer_levels"] for r in records) for k in range(3)]
         stats = hgpo_level_stats(rollout.step_batch(), depth=2, similarity_threshold=threshold)
         assert counts[threshold] == [s.with_peers for s in stats]
@@ -72,27 +79,30 @@ def test_peer_levels_key_on_similarity_clusters_as_the_logged_level_stats_do():
 
 def scripted_records() -> list[dict]:
     task, rollout = scripted_rollout()
-    return rollout_records(rollout, [task], None, gamma=0.95, invalid_penalty=0.1, depth=2)
+    return rollout_records(rollout, [task], None, record_config())
 
 
 def test_show_and_summary():
     records = scripted_records()
     text = show_episode(records, 1)
-    assert text.startswith("episode 1 (task group 0): won") and "INVALID ('')" in text and "[t=4]" in text
+    assert text.startswith("episode 1 (task group 0): won") and "INVALID ('')" in text and "[step 4]" in text
+    assert "Task:" not in text and "Task:" in show_episode(records, 1, prompt=True)
     summary = summarize(records)
     assert summary["episodes"] == 2 and summary["success_by_task_type"] == {"all": {"episodes": 2, "success_rate": 1.0}}
     assert summary["invalid_reasons"] == {"empty output": 1} and summary["most_common_failing_states"] == []
 
 
 @pytest.mark.slow
-def test_show_and_summary_on_the_command_line(tmp_path):
-    path = write_records(tmp_path / "d.jsonl", scripted_records())
-    shown = subprocess.run([sys.executable, "-m", "hgpo_trl.trajectories", "show", str(path), "--episode", "0"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+def test_show_and_summary_on_the_command_line(tmp_path, capsys):
+    records = scripted_records()
+    path = write_records(tmp_path / "d.jsonl", records)
+    shown = subprocess.run([sys.executable, "-m", "hgpo_trl.trajectories", "show", str(path), "--episode", "0",
+                            "--prompt"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "episode 0" in shown.stdout
-    missing = subprocess.run([sys.executable, "-m", "hgpo_trl.trajectories", "summary", str(tmp_path / "none.jsonl")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 2 and "no trajectory dump at" in missing.stderr
+    assert f"    | {records[0]['prompt'].splitlines()[0]}" in shown.stdout  # the prompt the step saw, on request
+    with pytest.raises(SystemExit) as exit_info:  # (in this process: one interpreter start is enough)
+        main(["summary", str(tmp_path / "none.jsonl")])
+    assert exit_info.value.code == 2 and "no trajectory dump at" in capsys.readouterr().err
 
 
 def test_the_trainer_dumps_iterations_and_evaluations(tmp_path, tiny_model, tiny_tokenizer):
@@ -105,5 +115,7 @@ def test_the_trainer_dumps_iterations_and_evaluations(tmp_path, tiny_model, tiny
                                                          "iter_000003.jsonl"]
     records = read_records(folder / "iter_000001.jsonl")
     assert {r["group"] for r in records} == {0, 1} and all(np.isfinite(r["advantage"]) for r in records)
+    # HGPO's weights, as the trainer blended them: each step's sum to 1 where it had a peer, 0 where not.
+    assert all(sum(r["level_weights"]) == pytest.approx(1.0 if r["peer_levels"] else 0.0) for r in records)
     evaluation = read_records(folder / "eval_step_000003.jsonl")
     assert len({r["episode"] for r in evaluation}) == 2 and all(r["advantage"] is None for r in evaluation)

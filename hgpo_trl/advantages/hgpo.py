@@ -8,6 +8,7 @@ averaged with weights that favour deeper levels.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,6 +92,20 @@ def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, al
     exact 0; a step with no contributing item gets 0. Weights are computed relative to each step's deepest
     contributing level, so a large alpha neither overflows nor underflows.
     """
+    steps, items, weights = hgpo_blend(
+        batch, gamma=gamma, depth=depth, alpha=alpha, norm=norm, weighting=weighting, base_group=base_group,
+        drop_zero_items=drop_zero_items, episode_stats=episode_stats, std_ddof=std_ddof,
+        invalid_penalty=invalid_penalty, similarity_threshold=similarity_threshold)
+    total = weights.sum(axis=0)
+    advantages = np.where(total > 0, (weights * items).sum(axis=0) / np.where(total > 0, total, 1.0), 0.0)
+    return steps.unsort(advantages)
+
+
+def hgpo_blend(batch: StepBatch, *, gamma: float, depth: int, alpha: float, norm: str, weighting: str,
+               base_group: bool, drop_zero_items: bool, episode_stats: str, std_ddof: int, invalid_penalty: float,
+               similarity_threshold: float | None) -> tuple[SortedSteps, np.ndarray, np.ndarray]:
+    """HGPO's items and weights in sorted order: (steps, items, weights), each (K+1 [+1 base], N), the weights 0
+    where an item does not contribute. The options are `hgpo_advantages`'."""
     check_level_args(depth, alpha, norm, weighting)
     check_episode_stats(episode_stats)
     check_ddof(std_ddof)
@@ -138,10 +153,7 @@ def hgpo_advantages(batch: StepBatch, *, gamma: float = 0.95, depth: int = 2, al
         on = np.vstack([on, base_on])
         weights = np.vstack([weights, base_weight])
 
-    weights = np.where(on, weights, 0.0)
-    total = weights.sum(axis=0)
-    advantages = np.where(total > 0, (weights * items).sum(axis=0) / np.where(total > 0, total, 1.0), 0.0)
-    return steps.unsort(advantages)
+    return steps, items, np.where(on, weights, 0.0)
 
 
 @dataclass(frozen=True)
@@ -177,3 +189,27 @@ def hgpo_peer_levels(batch: StepBatch, depth: int = 2, similarity_threshold: flo
     steps = sort_steps(batch)
     levels = history_levels(steps, anchor_codes(steps, batch, similarity_threshold), depth)
     return steps.unsort(np.stack([level.size() >= 2 for level in levels], axis=1))
+
+
+def hgpo_level_weights(batch: StepBatch, **options) -> np.ndarray:
+    """(N, K+1 [+1 base]) in the batch's row order: the share of each level's item (then the base item's, with
+    `base_group`) in the step's HGPO advantage, summing to 1 (all 0 for a step with no contributing item); the
+    options are `hgpo_advantages`' (trajectory dumps show them)."""
+    defaults = {p.name: p.default for p in inspect.signature(hgpo_advantages).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    steps, _, weights = hgpo_blend(batch, **{**defaults, **options})
+    total = weights.sum(axis=0)
+    return steps.unsort((weights / np.where(total > 0, total, 1.0)).T)
+
+
+def hgpo_level_groups(batch: StepBatch, depth: int = 2, similarity_threshold: float | None = None) -> np.ndarray:
+    """(N, K+1) int64 in the batch's row order: the id of the step's level-k group (equal ids: the same group; ids
+    of one level distinct across task groups), -1 where the step has no level k; `similarity_threshold` as for
+    the levels. The steps that share an id are the peers HGPO normalised the step's return among."""
+    check_level_args(depth, 0.0, "mean_norm", "power")
+    check_similarity_threshold(similarity_threshold)
+    steps = sort_steps(batch)
+    ids = np.full((depth + 1, len(steps)), -1, dtype=np.int64)
+    for k, level in enumerate(history_levels(steps, anchor_codes(steps, batch, similarity_threshold), depth)):
+        ids[k, level.order] = level.run
+    return steps.unsort(ids.T)

@@ -44,14 +44,14 @@ def token_lengths(run_dir: Path) -> dict[str, Any]:
     """Prompt and completion tokens of every training step dumped (the real tokenizer's counts): mean, p95, max,
     and the mean prompt by step of the episode (its growth is the history's)."""
     records = [r for path in sorted((run_dir / "trajectories").glob("iter_*.jsonl")) for r in read_records(path)
-               if r["t"] is not None]  # (a faulted episode's outcome record holds no step)
+               if r["step"] is not None]  # (a faulted episode's outcome record holds no step)
     if not records:
         return {}
     prompt = np.array([r["prompt_tokens"] for r in records], dtype=float)
     completion = np.array([r["completion_tokens"] for r in records], dtype=float)
     by_step = {}
-    for t in sorted({r["t"] for r in records}):
-        by_step[t] = float(np.mean([r["prompt_tokens"] for r in records if r["t"] == t]))
+    for t in sorted({r["step"] for r in records}):
+        by_step[t] = float(np.mean([r["prompt_tokens"] for r in records if r["step"] == t]))
 
     def summary(values: np.ndarray) -> dict[str, float]:
         return {"mean": float(values.mean()), "p95": float(np.percentile(values, 95)), "max": float(values.max())}
