@@ -23,9 +23,10 @@ adapter's `env_id`), so the G rollouts of a task start from the same state; the 
   then lists the admissible actions for the prompt (a mapping also translates them).
 - Reward: the environment's, times `reward_scale`; `info["score"]` is the episode's return at the end. `won` is
   judged when the episode ends (terminated, or cut by a time limit: the environment's or `max_steps`) by
-  `success`: "reward" (terminated with a positive reward), "terminated", "truncated" (cut, not terminated:
-  CartPole's pole stayed up) or "is_success" (the last `info["is_success"]`); "auto" takes the toy-text rule,
-  else `CLASSIC_CONTROL`'s, else "is_success" when the environment reports it, else "reward".
+  `success`: "reward" (terminated with a positive reward), "terminated", "truncated" (cut, not terminated, after
+  `max_steps` real steps or by the environment's own limit: CartPole's pole stayed up; invalid moves do not step it)
+  or "is_success" (the last `info["is_success"]`); "auto": the toy-text rule, `CLASSIC_CONTROL`'s, "is_success"
+  when the environment reports it, else "reward".
 
 Needs the `gymnasium` extra: `pip install "hgpo-trl[gymnasium]"`.
 """
@@ -33,12 +34,12 @@ Needs the `gymnasium` extra: `pip install "hgpo-trl[gymnasium]"`.
 from __future__ import annotations
 
 import importlib
-import re
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hgpo_trl.envs.base import Info, MissingExtraError, _is_int, rules_prompt, split_seeds
+from hgpo_trl.envs.gymnasium_frames import clean_frame
 
 if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
     import datasets
@@ -46,11 +47,6 @@ if TYPE_CHECKING:  # imported where tasks are built: environment workers never l
 SUCCESS = ("auto", "reward", "terminated", "truncated", "is_success")
 OBSERVATIONS = ("auto", "text", "ansi")
 _INSTALL = 'pip install "hgpo-trl[gymnasium]"'
-_COLOURS = {0: "black", 1: "red", 2: "green", 3: "yellow", 4: "blue", 5: "magenta", 6: "cyan", 7: "white"}
-_SGR = re.compile(r"\x1b\[([\d;]*)m")  # a colour code (Select Graphic Rendition)
-_ACTION_ECHO = re.compile(r"^\s*\(\w+\)\s*$")
-
-
 class ToyText(NamedTuple):
     """What a gymnasium toy-text environment does not say itself."""
 
@@ -100,44 +96,6 @@ def _import_gymnasium():
     except ImportError as err:
         raise MissingExtraError(f"the Gymnasium environment needs the gymnasium package: {_INSTALL} ({err})") from err
     return gymnasium
-
-
-def _colour(code: int) -> str | None:
-    for base in (30, 40, 90, 100):
-        if base <= code < base + 8:
-            return _COLOURS[code - base]
-    return None
-
-
-def _coloured_runs(frame: str) -> list[tuple[str, tuple[str, ...]]]:
-    """The frame as (text, colours) runs: a code adds its colour (foreground or background) to those in effect
-    until a reset (0), so nested spans give their cell every colour, outer first (Taxi's waiting passenger,
-    blue, around its taxi, yellow: `\\x1b[34;1m\\x1b[43mR\\x1b[0m\\x1b[0m`); a terminal would let a later
-    foreground hide an earlier one (Taxi's last frame: the passenger's blue over the destination's magenta)."""
-    runs: list[tuple[str, tuple[str, ...]]] = []
-    colours: tuple[str, ...] = ()
-    for i, part in enumerate(_SGR.split(frame)):
-        if i % 2 == 0:
-            if runs and runs[-1][1] == colours:
-                runs[-1] = (runs[-1][0] + part, colours)
-            elif part:
-                runs.append((part, colours))
-            continue
-        for code in [int(c) for c in part.split(";") if c.isdigit()] or [0]:  # "\\x1b[m" resets too
-            if code == 0:
-                colours = ()
-            elif (name := _colour(code)) and name not in colours:
-                colours = (*colours, name)
-    return runs
-
-
-def clean_frame(frame: str) -> str:
-    """An ansi frame as plain text: coloured runs as `{text:colour}` (`{R:blue,yellow}` under two colours),
-    each line apart, the last action's echo line dropped."""
-    text = "".join("\n".join(f"{{{line}:{','.join(colours)}}}" if line and colours else line
-                             for line in run.split("\n")) for run, colours in _coloured_runs(frame))
-    lines = [line.rstrip() for line in text.splitlines() if not _ACTION_ECHO.match(line)]
-    return "\n".join(lines).strip("\n")
 
 
 def _by_prefix(table: Mapping[str, Any], env_id: str | None) -> Any:
@@ -323,7 +281,7 @@ class GymnasiumEnv:
         self._game = game = self._make(env_id)
         observation, info = game.env.reset(seed=int(seed))
         self._sentence = self.task or (game.toy.goal if game.toy else f"Play {game.name}: reach its goal.")
-        self._steps, self._return, self._done, self._won = 0, 0.0, False, False
+        self._steps, self._played, self._return, self._done, self._won = 0, 0, 0.0, False, False
         self._observation, self._mask, self._env_info = game.text(observation), info.get("action_mask"), info
         return self._observation, self._info()
 
@@ -343,13 +301,15 @@ class GymnasiumEnv:
                            else f"action {action!r} is not in the action space {game.env.action_space}")
             else:
                 observation, raw, terminated, truncated, self._env_info = game.env.step(value)
+                self._played += 1  # (an invalid move does not step the environment)
                 reward = float(raw) * self.reward_scale
                 self._return += reward
                 self._observation, self._mask = game.text(observation), self._env_info.get("action_mask")
         self._steps += 1
+        lasted = bool(truncated) or self._played >= self.max_steps  # its own time limit, or max_steps real steps
         truncated = bool(truncated) or (not terminated and self._steps >= self.max_steps)
         self._done = bool(terminated) or truncated
-        self._won = self._done and self._succeeded(float(raw), bool(terminated))
+        self._won = self._done and self._succeeded(float(raw), bool(terminated), lasted)
         info = {**self._info(), "invalid_move": invalid is not None}
         if invalid is not None:
             info["invalid_reason"] = invalid
@@ -357,14 +317,14 @@ class GymnasiumEnv:
             info["score"] = self._return
         return self._observation, reward, bool(terminated), truncated, info
 
-    def _succeeded(self, reward: float, terminated: bool) -> bool:
-        """Whether the episode, now over (`terminated`, else cut by a time limit), is won under `success`."""
+    def _succeeded(self, reward: float, terminated: bool, lasted: bool) -> bool:
+        """Whether the episode, now over (`terminated`, else cut: `lasted` its time limit), is won by `success`."""
         rule, info = self.success, self._env_info
         if rule == "auto":
             rule = self._game.auto_success or ("is_success" if "is_success" in info else "reward")
         if rule == "is_success":
             return bool(info.get("is_success", False))
-        return not terminated if rule == "truncated" else terminated and (rule == "terminated" or reward > 0)
+        return not terminated and lasted if rule == "truncated" else terminated and (rule == "terminated" or reward > 0)
 
     def _info(self) -> Info:
         names = list(self._game.actions)

@@ -191,7 +191,7 @@ def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], Te
     # A handler that does nothing, not SIG_IGN: the processes an environment starts would inherit SIG_IGN (and
     # then never stop on their own terminate()); a handler resets to the default in them.
     for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, _ignore)
+        signal.signal(number, lambda *_: None)
     # The main process's own stop after a timeout (_stop): still close the environments (and their processes).
     signal.signal(STOP_SIGNAL, lambda *_: sys.exit(1))
     envs = _Envs(factory, indices)
@@ -239,10 +239,6 @@ def _stop(workers: list[_Worker], grace: float) -> None:
                 worker.process.join(1.0)
         worker.conn.close()
     workers.clear()
-
-
-def _ignore(number: int, frame) -> None:
-    """A worker's handler of the signals it leaves to the main process."""
 
 
 def _ask_to_stop(process: multiprocessing.process.BaseProcess) -> None:

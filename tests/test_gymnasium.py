@@ -172,6 +172,18 @@ def test_classic_control_success_follows_what_its_ending_means(env_id, names, en
     assert outcome(lasts, max_episode_steps=40) == outcome(lasts, max_steps=40) == (False, won_cut)
 
 
+@pytest.mark.parametrize("action", ["jump", None], ids=["unknown action", "no action"])
+def test_invalid_moves_do_not_keep_cartpole_s_pole_up(action):
+    """An invalid move does not step the environment but counts towards max_steps: an episode of them alone is cut
+    at max_steps with the pole never moved, which 'truncated' must not call a win (a model writing nonsense
+    scored 100 % on CartPole)."""
+    env = make_env("gymnasium", env_id="CartPole-v1", action_names=["push left", "push right"], max_steps=5)
+    env.reset({"seed": 0})
+    for _ in range(5):
+        _, _, terminated, truncated, info = env.step(action)
+    assert truncated and not terminated and info["won"] is False
+
+
 class SecretWord(gymnasium.Env):
     """A gymnasium.Env of text observations and actions: say the secret word, drawn from the seeded np_random."""
 
