@@ -247,7 +247,7 @@ def wants_rehearsal(argv: list[str]) -> bool:
 
 def rehearse_main(argv: list[str]) -> None:
     """`--rehearse`: the rehearsal's report; exit 0 when every check passed, 1 when one failed or a launch
-    did, 2 on a configuration error."""
+    did, 2 on a configuration error, 128 + the signal that stopped it."""
     from hgpo_trl.rehearsal.launch import RehearsalError, rehearsal_failed
     from hgpo_trl.rehearsal.rehearse import passed, rehearse
 

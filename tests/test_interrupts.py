@@ -125,3 +125,19 @@ def test_a_signal_during_an_iteration_s_training_names_that_iteration(tmp_path, 
     out, err = capfd.readouterr()
     assert "[stop] SIGTERM: the run stops when iteration 2 ends" in err
     assert "train.py: stopped by SIGTERM after iteration 2;" in out
+
+
+def test_a_ctrl_c_in_a_rehearsal_between_its_launches_exits_130_in_one_line(monkeypatch, capsys):
+    import hgpo_trl.rehearsal.rehearse as rehearse_module
+    from hgpo_trl.rehearsal.launch import RehearsalError, rehearsal_failed
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rehearse_module, "rehearsal_report", interrupted)
+    with pytest.raises(RehearsalError) as err:
+        rehearse_module.rehearse([])
+    with pytest.raises(SystemExit) as stop:
+        rehearsal_failed(err.value)
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == "train.py --rehearse: interrupted by SIGINT, with no launch running\n"

@@ -155,6 +155,8 @@ class _Stop(BaseException):
 
 
 def _stop(number: int, frame) -> None:
+    for each in STOP_SIGNALS:  # a second signal must not cut the stopping short (nor raise a second _Stop)
+        signal.signal(each, signal.SIG_IGN)
     raise _Stop(signal.Signals(number).name)
 
 

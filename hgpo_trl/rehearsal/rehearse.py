@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rehearsal.launch import (
     LaunchFile,
     RehearsalError,
+    RehearsalInterrupted,
     build_model,
     cpu_launch_file,
     free_port,
@@ -145,7 +147,7 @@ def rehearse(argv: list[str]) -> dict[str, Any]:
     try:
         return rehearsal_report(argv)
     except KeyboardInterrupt:  # outside the launches, which say it themselves
-        raise RehearsalError("interrupted by SIGINT, with no launch running") from None
+        raise RehearsalInterrupted("interrupted by SIGINT, with no launch running", signal.SIGINT) from None
 
 
 def rehearsal_report(argv: list[str]) -> dict[str, Any]:
