@@ -58,7 +58,7 @@ class FaultTally:
 
 
 def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int, *, history_length: int,
-                max_steps: int, format_instruction: str = "", seed: int = 0, progress: bool = False,
+                max_steps: int, format_instruction: str = "", seed: int | random.Random = 0, progress: bool = False,
                 max_pairs: int | None = None, description: str = "random episodes",
                 tally: FaultTally | None = None) -> list[tuple[str, list[str], str]]:
     """(prompt, admissible actions, next observation) for every step of `episodes` episodes that take uniformly
@@ -70,7 +70,7 @@ def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int,
     An environment that raises ends its episode, whose steps are dropped, as a training rollout treats a fault;
     more than half the episodes faulted stops the play (`FaultTally.check`). `tally`: a play of several calls
     counts its faults there, and its caller checks the end."""
-    rng = random.Random(seed)
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)  # (a play of several calls: one stream)
     order = rng.sample(range(len(tasks)), len(tasks))
     samples: list[tuple[str, list[str], str]] = []
     pairs = 0
@@ -151,18 +151,19 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     instruction = FORMAT_INSTRUCTIONS[action_mode] if format_instruction is None else format_instruction
     env = env_factory()
     pairs: list[tuple[str, str]] = []
-    episode_seed = seed
+    rng = random.Random(seed)  # one stream over the calls (seed + k would replay another seed's)
     tally = FaultTally("warm start: random episodes")
-    while len(pairs) < steps * batch_size:
-        # Episodes enough for 2 admissible actions a step; those with many (ALFWorld's dozens) stop early.
-        episodes = random_play(env, tasks, max(1, (steps * batch_size - len(pairs)) // (2 * max_steps) + 1),
-                               history_length=history_length, max_steps=max_steps, format_instruction=instruction,
-                               seed=episode_seed, progress=progress, max_pairs=2 * steps * batch_size,
-                               description=tally.description, tally=tally)
-        pairs += [(prompt, action) for prompt, admissible, _ in episodes for action in admissible]
-        episode_seed += 1
-    tally.check(final=True)
-    env.close()
+    try:
+        while len(pairs) < steps * batch_size:
+            # Episodes enough for 2 admissible actions a step; those with many (ALFWorld's dozens) stop early.
+            episodes = random_play(env, tasks, max(1, (steps * batch_size - len(pairs)) // (2 * max_steps) + 1),
+                                   history_length=history_length, max_steps=max_steps,
+                                   format_instruction=instruction, seed=rng, progress=progress,
+                                   max_pairs=2 * steps * batch_size, description=tally.description, tally=tally)
+            pairs += [(prompt, action) for prompt, admissible, _ in episodes for action in admissible]
+        tally.check(final=True)
+    finally:
+        env.close()
     answer = (lambda a: a) if action_mode == "plain" else (lambda a: f"<think> </think><action>{a}</action>")
     dataset = sft_dataset(tokenizer, pairs, answer)
     bars = shows_bars(disabled=not progress)

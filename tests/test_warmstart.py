@@ -158,3 +158,21 @@ def test_an_environment_that_always_fails_stops_train_py_in_one_line_before_trai
     message = capsys.readouterr().err.strip().splitlines()
     assert len(message) == 1 and "tiny tokenizer: random episodes: the environment failed in" in message[0]
     assert "RuntimeError: injected: the game engine crashed" in message[0]
+
+
+def test_the_warm_start_s_plays_draw_from_one_stream_not_seed_plus_k(monkeypatch, tiny_model, tiny_tokenizer):
+    """A warm start that needs several plays drew the k-th from seed + k: seed 0's second play was seed 1's
+    first. Each play now continues the first one's generator."""
+    import hgpo_trl.warmstart as warmstart_module
+
+    seeds = []
+    play = warmstart_module.random_play
+
+    def one_episode_a_call(env, tasks, episodes, **kwargs):
+        seeds.append(kwargs["seed"])
+        return play(env, tasks, 1, **kwargs)
+
+    monkeypatch.setattr(warmstart_module, "random_play", one_episode_a_call)
+    tasks = list(make_tasks("keydoor", "train", num_tasks=4))
+    warm_start(tiny_model, tiny_tokenizer, KeyDoorEnv, tasks, steps=1, batch_size=24, max_steps=6)
+    assert len(seeds) > 1 and all(s is seeds[0] for s in seeds)  # one generator (the first call as random(0))
