@@ -13,6 +13,8 @@ Every `info` carries:
 Optionally:
 - `score`: the environment's own graded outcome of the episode (WebShop's purchase score, a TextArena game's
   reward), in the info of the last step;
+- `anchor`: what the advantage estimators compare for the state the agent acts in, when the observation shown
+  does not name it (a TRL tool's result, `envs/trl_env.py`); default the observation;
 - `invalid_move`: True when the environment itself rejected the action as breaking the game's rules (a
   TextArena invalid move): the rollout counts the step as invalid, as an output that did not parse (the
   estimators' `invalid_penalty`, `env/invalid_rate`), while the environment applies its own rules to it.

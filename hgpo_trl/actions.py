@@ -3,7 +3,9 @@
 `tags` mode: the model thinks inside `<think>...</think>` and answers inside `<action>...</action>`; the action
 is the text of the first action tag after the reasoning, stripped, lower-cased, whitespace folded, and an output
 that breaks a rule is no action at all (`parse_action`). `plain` mode (tiny models): the completion's first
-non-empty line is the action (a small model that keeps writing after its answer still answered).
+non-empty line is the action (a small model that keeps writing after its answer still answered). `tool` mode
+(TRL environment classes, `envs/trl_env.py`): after the reasoning, the rest of the output is the answer as
+written (a tool call or a final answer, its case kept: tool arguments are case-sensitive), under tags mode's rules.
 `project_released` reads an output as verl-agent's projection does (`invalid_action="execute"`): looser about
 where the tags are, and every output yields some text for the environment, a penalised one too.
 Nothing here evaluates or executes the text: it is only searched and sliced.
@@ -14,8 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-ACTION_MODES = ("tags", "plain")
+ACTION_MODES = ("tags", "plain", "tool")
 MAX_ACTION_CHARS = 200
+MAX_TOOL_CHARS = 4000  # tool mode: a tool call's JSON is longer than an action
 INVALID_TAIL_CHARS = 30  # released: an output with no action block becomes its last 30 characters (ALFWorld)
 
 _HAN = re.compile(r"[\u4e00-\u9fff]")  # the released projection's "Chinese characters"
@@ -28,6 +31,7 @@ FORMAT_INSTRUCTIONS = {
     "tags": ("First think step by step inside <think> </think>. Then give exactly one admissible action "
              "inside <action> </action>."),
     "plain": "",
+    "tool": "First think step by step inside <think> </think>. Then call one tool, or answer without a tool to finish.",
 }
 
 
@@ -39,6 +43,8 @@ def parse_action(text: str, mode: str = "tags", *, require_think: bool = True, r
     `<action>...</action>` after the first `</think>` (an action tag inside the reasoning does not count).
     Invalid: no closed action tag, an empty action, a think/action tag inside the action, an action longer than
     `max_chars`, or (with `reject_cjk`, as released) any CJK character in the output.
+    tool mode: the same reasoning rule; the answer is all that follows it, stripped and otherwise as written (a
+    tool call or a final answer, up to `MAX_TOOL_CHARS`).
     """
     if mode not in ACTION_MODES:
         raise ValueError(f"action mode must be one of {ACTION_MODES}, got {mode!r}")
@@ -48,14 +54,14 @@ def parse_action(text: str, mode: str = "tags", *, require_think: bool = True, r
         return None
     if mode == "plain":
         candidate = next((line for line in text.splitlines() if line.strip()), "")
+    elif mode == "tool":
+        answer = _after_think(text) if require_think else _drop_think_blocks(text)
+        answer = answer.strip() if answer is not None else ""
+        return answer if answer and len(answer) <= MAX_TOOL_CHARS and not _TAGS.search(answer) else None
     else:
-        if require_think:
-            start, end = text.find("<think>"), text.find("</think>")
-            if start == -1 or end < start:
-                return None
-            answer = text[end + len("</think>"):]
-        else:
-            answer = _drop_think_blocks(text)
+        answer = _after_think(text) if require_think else _drop_think_blocks(text)
+        if answer is None:
+            return None
         # str.find, not a lazy regex: on a long output repeating an unclosed tag the regex is quadratic (seconds).
         start = answer.find("<action>")
         end = answer.find("</action>", start + len("<action>")) if start != -1 else -1
@@ -87,7 +93,13 @@ def format_action(action: str, mode: str = "tags") -> str:
     """An answer that `parse_action` reads as `action` in `mode`: what a scripted player (random, expert) outputs."""
     if mode not in ACTION_MODES:
         raise ValueError(f"action mode must be one of {ACTION_MODES}, got {mode!r}")
-    return action if mode == "plain" else f"<think> </think><action>{action}</action>"
+    return {"plain": action, "tool": f"<think> </think>{action}"}.get(mode, f"<think> </think><action>{action}</action>")
+
+
+def _after_think(text: str) -> str | None:
+    """What follows the first `</think>` of an output that opened `<think>` before it; None without both."""
+    start, end = text.find("<think>"), text.find("</think>")
+    return None if start == -1 or end < start else text[end + len("</think>"):]
 
 
 def _drop_think_blocks(text: str) -> str:

@@ -72,6 +72,7 @@ class StepRecord:
     over_budget: bool = False  # the prompt is over max_prompt_tokens even with nothing left to cut
     rejected: bool = False  # the environment refused the action as an invalid move (its info["invalid_move"])
     malformed: bool = False  # invalid_action="execute": the output broke the format, its action was sent anyway
+    anchor: str | None = None  # what the estimators compare for the state, when not the observation (info["anchor"])
 
     @property
     def valid(self) -> bool:
@@ -141,7 +142,7 @@ class Rollout:
             group=np.array([r.group for r in s], dtype=np.int64),
             traj=np.array([r.traj for r in s], dtype=np.int64),
             step=np.array([r.step for r in s], dtype=np.int64),
-            obs=[r.observation for r in s],
+            obs=[r.observation if r.anchor is None else r.anchor for r in s],
             reward=np.array([r.reward for r in s], dtype=np.float64),
             valid=np.array([r.valid for r in s], dtype=bool),
             action=[r.action for r in s],
@@ -257,7 +258,8 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
                                       prompt=fit.text, completion=completion, action=action,
                                       reward=float(result.reward), shown_history=fit.shown_history,
                                       history_cut=fit.history_dropped > 0, observation_cut=fit.observation_cut,
-                                      over_budget=fit.over_budget, rejected=rejected, malformed=malformed[i]))
+                                      over_budget=fit.over_budget, rejected=rejected, malformed=malformed[i],
+                                      anchor=infos[i].get("anchor")))
             shown = action if action is not None else invalid_tail(completion.text, settings.invalid_tail_chars)
             memories[i].add(escape(observations[i]), escape(shown))
             episode.steps += 1

@@ -36,9 +36,8 @@ from hgpo_trl.checkpoints import (
 from hgpo_trl.collective import any_process, process_max, process_sum
 from hgpo_trl.config import HGPOConfig, check_trainer_arguments, check_trainer_inputs
 from hgpo_trl.dynamic_sampling import play_training_batches
-from hgpo_trl.envs import TextEnv, make_env
+from hgpo_trl.envs import TextEnv, is_fast_env, trainer_environment
 from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
-from hgpo_trl.envs.registry import is_fast_env
 from hgpo_trl.evaluation import play_shared, validation_metrics
 from hgpo_trl.generation import generation_settings, trainer_rollout
 from hgpo_trl.interrupts import StopOnSignal
@@ -77,6 +76,7 @@ class HGPOTrainer(GRPOTrainer):
         train_dataset: one row per task (what the environment's `reset(task)` takes, e.g. `hgpo_trl.envs.make_tasks`).
         eval_dataset: the fixed validation tasks of `evaluate()` (one rollout per task).
         env_factory: builds one environment; default `hgpo_trl.envs.make_env(args.env_name, **args.env_kwargs)`.
+        environment_factory: a TRL environment class or a dict of them, as TRL's, a tool call a step (envs/trl_env.py).
     """
 
     _tag_names: ClassVar[list[str]] = ["trl", "hgpo"]
@@ -84,7 +84,7 @@ class HGPOTrainer(GRPOTrainer):
 
     def __init__(self, model, args: HGPOConfig, train_dataset: Dataset, eval_dataset: Dataset | None = None,
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
-                 env_factory: Callable[[], TextEnv] | None = None):
+                 env_factory: Callable[[], TextEnv] | None = None, environment_factory=None):
         check_trainer_arguments(args, train_dataset)
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
@@ -94,7 +94,7 @@ class HGPOTrainer(GRPOTrainer):
             super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                              optimizers=optimizers, peft_config=peft_config)
-        self.env_factory = env_factory or partial(make_env, args.env_name, **(args.env_kwargs or {}))
+        self.env_factory, self.chat_template_kwargs = trainer_environment(self, env_factory, environment_factory)
         self.rollout_settings = generation_settings(args.rollout_settings(), self._tokenizer, self.model.config,
                                                     args.vllm_max_model_length if args.use_vllm else None,
                                                     args.max_completion_length)

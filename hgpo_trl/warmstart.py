@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from accelerate.state import AcceleratorState, PartialState
@@ -28,7 +29,7 @@ from transformers.trainer_callback import PrinterCallback
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import common_prefix_length
 
-from hgpo_trl.actions import FORMAT_INSTRUCTIONS
+from hgpo_trl.actions import FORMAT_INSTRUCTIONS, format_action
 from hgpo_trl.config import cpu_precision_default
 from hgpo_trl.envs.base import EnvironmentFaults, TextEnv
 from hgpo_trl.memory import Memory, build_prompt
@@ -145,7 +146,8 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     `report_to`); None: a temporary folder.
     `gradient_checkpointing`: as the RL run's (recomputing activations costs a tiny model a third of its step).
 
-    The completion is the action itself (`plain` mode) or `<think> </think><action>A</action>` (`tags` mode).
+    The completion is the action as a scripted player writes it (`format_action`): the action itself (`plain`
+    mode), `<think> </think><action>A</action>` (`tags`), `<think> </think>A` (`tool`).
     """
     start = time.time()
     instruction = FORMAT_INSTRUCTIONS[action_mode] if format_instruction is None else format_instruction
@@ -164,7 +166,7 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
         tally.check(final=True)
     finally:
         env.close()
-    answer = (lambda a: a) if action_mode == "plain" else (lambda a: f"<think> </think><action>{a}</action>")
+    answer = partial(format_action, mode=action_mode)
     dataset = sft_dataset(tokenizer, pairs, answer)
     bars = shows_bars(disabled=not progress)
     with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch, data_parallel_only():

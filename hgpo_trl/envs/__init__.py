@@ -14,11 +14,13 @@ from hgpo_trl.envs.alfworld import AlfWorldEnv, alfworld_tasks
 from hgpo_trl.envs.base import Info, TextEnv
 from hgpo_trl.envs.gymnasium_env import GymnasiumEnv, gymnasium_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv, keydoor_tasks
-from hgpo_trl.envs.registry import make_env, make_tasks, register_env, registered_envs
+from hgpo_trl.envs.registry import is_fast_env, make_env, make_tasks, register_env, registered_envs
 from hgpo_trl.envs.textarena_env import TextArenaEnv, textarena_tasks
+from hgpo_trl.envs.trl_env import TRLEnv, trainer_environment, trl_tasks
 from hgpo_trl.envs.webshop import WebShopEnv, webshop_tasks
 
-__all__ = ["Info", "TextEnv", "make_env", "make_tasks", "register_env", "registered_envs"]
+__all__ = ["Info", "TRLEnv", "TextEnv", "is_fast_env", "make_env", "make_tasks", "register_env", "registered_envs",
+           "trainer_environment"]
 
 register_env("keydoor", KeyDoorEnv, keydoor_tasks, fast=True)
 # invalid_tail_chars as released (env_package/{alfworld,webshop}/projection.py).
@@ -29,3 +31,5 @@ register_env("webshop", WebShopEnv, webshop_tasks, fast=True, prompt_has_format=
 # millisecond a step for the games tried; one with a slow reset (Sokoban, RushHour) can be given env_workers.
 register_env("textarena", TextArenaEnv, textarena_tasks, fast=True)
 register_env("gymnasium", GymnasiumEnv, gymnasium_tasks, fast=True)
+# TRL's environment_factory classes (env_kwargs environment_factory: module:Class), stepped in process as TRL does.
+register_env("trl", TRLEnv, trl_tasks, fast=True)
