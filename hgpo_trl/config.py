@@ -28,6 +28,7 @@ from hgpo_trl.envs.registry import invalid_tail_chars, prompt_has_format
 from hgpo_trl.fields import ESTIMATOR_FIELDS, HGPOFields
 from hgpo_trl.rollout import INVALID_ACTIONS, RolloutSettings
 from hgpo_trl.step_batches import FILLS, STEP_BATCHINGS
+from hgpo_trl.vllm_cpu import vllm_runs_here
 
 
 def cpu_precision_default(use_cpu: bool) -> bool | None:
@@ -248,6 +249,8 @@ class HGPOConfig(HGPOFields, GRPOConfig):
                 or int(os.environ.get("WORLD_SIZE", "1")) % self.vllm_tensor_parallel_size == 0),
              f"a divisor of the processes ({os.environ.get('WORLD_SIZE', '1')}) under vllm_mode 'colocate' (each "
              "process group of that size shares one vLLM engine)"),
+            ("vllm_mode", not (self.use_vllm and self.vllm_mode == "server" and not torch.cuda.is_available()),
+             "'colocate' where no GPU is visible (the server's weight sync is NCCL's, which needs CUDA)"),
             ("step_batching", self.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
             ("max_rollout_batches", self.max_rollout_batches >= 1, "an integer >= 1"),
             ("dynamic_sampling_tasks", self.dynamic_sampling_tasks in TASK_CHOICES, f"one of {TASK_CHOICES}"),
@@ -321,7 +324,7 @@ class HGPOConfig(HGPOFields, GRPOConfig):
         from transformers.utils import is_torch_bf16_gpu_available
 
         wants_gpu = [f"{name}: false" for name, wanted in (
-            ("use_vllm", self.use_vllm and not torch.cuda.is_available()),
+            ("use_vllm", self.use_vllm and not vllm_runs_here()),
             ("bf16", self.bf16 is True and not self.use_cpu and not is_torch_bf16_gpu_available())) if wanted]
         if wants_gpu:
             raise ValueError(f"HGPOConfig: this config needs a GPU and no GPU is visible: rehearse it on this CPU "

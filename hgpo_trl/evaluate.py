@@ -15,8 +15,9 @@ WebShop's score, success per task type (ALFWorld's six), each per seed and as me
 `evaluation.json` and `evaluation.md` under `eval_output_dir`.
 
 The command line: its arguments and checks, then every player, seed and split in turn. Who plays is
-`hgpo_trl.players` (generation: vLLM when `use_vllm` is set and a GPU is visible, else transformers' generate);
-how a split is played and scored, `hgpo_trl.evaluation`, the protocol the trainer's evaluate() shares.
+`hgpo_trl.players` (generation: vLLM when `use_vllm` is set and it runs here, on a GPU or as its CPU build,
+else transformers' generate); how a split is played and scored, `hgpo_trl.evaluation`, the protocol the
+trainer's evaluate() shares.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from hgpo_trl.evaluation import (
 )
 from hgpo_trl.parser import answered_help
 from hgpo_trl.players import expert_player, model_policy, random_player
+from hgpo_trl.vllm_cpu import cpu_build
 
 POLICIES = ("model", "random", "expert")
 
@@ -150,14 +152,16 @@ def checked(eval_args: EvalArguments, env_args: EnvArguments, args: HGPOConfig, 
 
 def cpu_overrides(argv: list[str] | None) -> list[str]:
     """The command line, with `--use_vllm false --bf16 false` added (unless given) where no GPU is visible or
-    only reference players play: a paper config evaluates on a CPU with transformers' generate, as documented."""
+    only reference players play: a paper config evaluates on a CPU with transformers' generate, as documented, or
+    with vLLM where its CPU build is installed (`use_vllm` is then kept)."""
     import torch
 
     argv = list(sys.argv[1:] if argv is None else argv)
     model_plays = "--policy" not in argv or "model" in argv[argv.index("--policy") + 1:]
     if model_plays and torch.cuda.is_available():
         return argv
-    added = [f"--{name}" for name in ("use_vllm", "bf16") if f"--{name}" not in argv]
+    kept = ("use_vllm",) if model_plays and cpu_build() else ()
+    added = [f"--{name}" for name in ("use_vllm", "bf16") if f"--{name}" not in argv and name not in kept]
     path = Path(argv[argv.index("--config") + 1]) if "--config" in argv[:-1] else None
     try:  # (a config that cannot be read is reported by the parser, next)
         config = yaml.safe_load(path.read_text()) if path is not None and path.is_file() else {}

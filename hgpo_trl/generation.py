@@ -18,6 +18,7 @@ from trl.trainer.utils import pad
 from hgpo_trl.collective import any_process, process_values
 from hgpo_trl.progress import progress_bar
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
+from hgpo_trl.vllm_cpu import sync_weights
 
 # generate(prompt_ids) -> (completion_ids, sampling log-probabilities per token, or None when the backend has none)
 Generate = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
@@ -151,7 +152,7 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
     if trainer.use_vllm:
         backend = trainer.vllm_generation
         if trainer.state.global_step != trainer._last_loaded_step:  # TRL's own record of the synced step
-            backend.sync_weights()
+            sync_weights(backend)
             trainer._last_loaded_step = trainer.state.global_step
         previous, backend.temperature = backend.temperature, temperature
 

@@ -21,6 +21,7 @@ from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
 from hgpo_trl.generation import Generate, ModelPolicy, generate_completions, generation_settings
 from hgpo_trl.progress import transformers_bars_as_ours
 from hgpo_trl.rollout import Completion, RolloutSettings, ScriptedPolicy
+from hgpo_trl.vllm_cpu import vllm_runs_here, vllm_starting
 
 
 def random_player(seed: int, action_mode: str) -> ScriptedPolicy:
@@ -118,10 +119,11 @@ def vllm_generator(model_path: str, tokenizer, args: HGPOConfig, model_args: Mod
     except OSError:  # no generation_config.json
         declared = None
     eos = eos_token_ids(declared, tokenizer)
-    llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=model_args.dtype or "auto",
-              tensor_parallel_size=args.vllm_tensor_parallel_size,
-              gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.vllm_max_model_length,
-              trust_remote_code=args.trust_remote_code)
+    with vllm_starting(True):
+        llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=model_args.dtype or "auto",
+                  tensor_parallel_size=args.vllm_tensor_parallel_size,
+                  gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.vllm_max_model_length,
+                  trust_remote_code=args.trust_remote_code)
 
     def generate(prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
         params = [SamplingParams(**{"n": 1, "temperature": temperature, "top_p": args.top_p, "top_k": args.top_k,
@@ -145,7 +147,7 @@ def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArgumen
 
     name = model_args.model_name_or_path
     adapter = loaded is None and (Path(name).expanduser() / ADAPTER_CONFIG).is_file()
-    if args.use_vllm and loaded is None and name != TINY and torch.cuda.is_available():
+    if args.use_vllm and loaded is None and name != TINY and vllm_runs_here():
         from transformers import AutoConfig
 
         if adapter:  # vLLM reads a model folder: merge the adapter into one
@@ -158,8 +160,8 @@ def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArgumen
         backend = "vllm"
     else:
         if args.use_vllm:
-            print("evaluate.py: use_vllm is set, but vLLM runs on a GPU from a model folder, not the tiny model or "
-                  "one in memory: generating with transformers")
+            print("evaluate.py: use_vllm is set, but vLLM plays a model folder (on a GPU, or on the CPU with "
+                  "vllm-cpu), not the tiny model or one in memory: generating with transformers")
         with transformers_bars_as_ours(args.disable_tqdm):  # ("Loading weights" into a log)
             model, tokenizer = loaded or load_model(model_args, env_args, args)
         model_config = model.config

@@ -59,6 +59,7 @@ from hgpo_trl.sampler import TaskSampler
 from hgpo_trl.seeds import seed_process
 from hgpo_trl.step_batches import plan_micro_batches, sample_tensors, windows_for
 from hgpo_trl.trajectories import rollout_records, write_records
+from hgpo_trl.vllm_cpu import vllm_starting
 
 
 def env_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -88,7 +89,7 @@ class HGPOTrainer(GRPOTrainer):
         check_trainer_arguments(args, train_dataset)
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
-        with transformers_bars_as_ours(args.disable_tqdm):  # (saving and loading the reference)
+        with transformers_bars_as_ours(args.disable_tqdm), vllm_starting(args.use_vllm):  # (the reference, vLLM)
             self._saved_start = (args.beta != 0.0 or peft_config is not None) and save_in_memory_weights(
                 model, processing_class, args, peft=peft_config is not None)
             super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,

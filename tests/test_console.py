@@ -97,7 +97,8 @@ def test_alfworld_without_data_is_one_line(tmp_path, capfd, monkeypatch):
     assert "the alfworld tasks of split 'train': no ALFWorld data: pass data_path or set ALFWORLD_DATA" in err
 
 
-def test_a_gpu_config_on_a_cpu_names_the_fields_to_change(tmp_path, capfd):
+def test_a_gpu_config_on_a_cpu_names_the_fields_to_change(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: False)  # (vLLM's CPU build would run use_vllm)
     root = Path(__file__).resolve().parents[1]
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(root / "configs" / "webshop" / "hgpo_k2_qwen2.5-1.5b.yaml"),

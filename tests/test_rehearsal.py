@@ -370,7 +370,8 @@ def test_trained_once_reads_the_counters():
 
 
 # ------------------------------------------------------------------ messages
-def test_a_gpu_config_on_a_cpu_names_the_rehearsal_first():
+def test_a_gpu_config_on_a_cpu_names_the_rehearsal_first(monkeypatch):
+    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: False)  # (vLLM's CPU build would run use_vllm)
     with pytest.raises(ValueError, match=r"^HGPOConfig: this config needs a GPU.*rehearse it on this CPU with --rehearse"):
         HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
 

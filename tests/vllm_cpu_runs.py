@@ -1,0 +1,143 @@
+"""The vLLM runs that tests/test_vllm_cpu.py checks, in one process of their own, started once for all of them:
+vLLM takes ~40 s to import and changes its process (RANK, WORLD_SIZE and MASTER_PORT set, torch.distributed set
+up), so it runs beside pytest, not in it. On one tiny model of head size 32 (vLLM's CPU attention has no smaller
+one), it plays greedy evaluations with vLLM and with transformers (hgpo-eval's command line, evaluate_model),
+trains HGPO with colocated vLLM, then probes the weight sync: vLLM's greedy completions and log-probabilities
+against the trainer model's, before and after a sync. Writes results.json in the folder it is given.
+
+    python tests/vllm_cpu_runs.py OUT
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from hgpo_trl import evaluate, generation
+from hgpo_trl.config import HGPOConfig
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.generation import ModelPolicy, generate_completions, trainer_generator
+from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.trainer import HGPOTrainer
+from hgpo_trl.trajectories import read_records
+from hgpo_trl.warmstart import warm_start
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.conftest import keydoor_corpus
+
+GAME = {"env_name": "keydoor", "action_mode": "plain", "max_env_steps": 5, "max_completion_length": 4,
+        "vllm_max_model_length": 512, "report_to": "none", "bf16": False, "use_cpu": True}
+# The evaluations load the model in float32 on both engines: vLLM's "auto" dtype turns a float32 checkpoint into
+# bfloat16, and a greedy choice between two tokens closer than bfloat16's rounding would then differ.
+EVAL_DTYPE = "float32"
+PROBE_TOKENS = 12  # completion tokens compared in the sync probe
+
+
+def games(folder: Path) -> list[tuple]:
+    """Each step an evaluation dumped: (episode, step, completion text, action, won)."""
+    (dump,) = sorted((folder / "trajectories").glob("*.jsonl"))
+    return [(r["episode"], r["step"], r["output"], r["action"], r["episode_won"]) for r in read_records(dump)]
+
+
+def evaluations(path: Path, out: Path) -> dict:
+    """The same greedy games with vLLM and transformers: hgpo-eval's command line, then evaluate_model."""
+    config = out / "eval.yaml"
+    config.write_text("".join(f"{key}: {str(value).lower() if isinstance(value, bool) else value}\n"
+                              for key, value in GAME.items()) + "num_eval_tasks: 6\ntrajectory_dump_every: 1\n")
+    reports = {}
+    for flag in ("true", "false"):
+        folder = out / f"hgpo_eval_vllm_{flag}"
+        evaluate.main(["--config", str(config), "--model_name_or_path", str(path), "--greedy", "--seeds", "1",
+                       "--splits", "train", "--use_vllm", flag, "--dtype", EVAL_DTYPE, "--eval_output_dir", str(folder)])
+        reports[f"hgpo_eval_{flag}"] = {**json.loads((folder / "evaluation.json").read_text()), "games": games(folder)}
+    args = HGPOConfig(output_dir=str(out / "unused"), use_vllm=True, trajectory_dump_every=1, **GAME)
+    result = evaluate.evaluate_model(str(path), args, greedy=True, seeds=[1], splits=["train"], num_eval_tasks=6,
+                                     dtype=EVAL_DTYPE,
+                                     eval_output_dir=str(out / "model_vllm"))
+    reports["evaluate_model"] = {**result.report, "games": games(out / "model_vllm")}
+    return reports
+
+
+def completion_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
+    """The trainer model's log-probability of each completion token, teacher-forced."""
+    rows = []
+    with torch.no_grad():
+        for prompt, completion in zip(prompt_ids, completion_ids, strict=True):
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1].float()
+            rows.append(logits.log_softmax(-1)[torch.arange(len(completion)), torch.tensor(completion)].tolist())
+    return rows
+
+
+def largest_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
+
+
+def sync_probe(trainer: HGPOTrainer) -> dict:
+    """vLLM's greedy completions and log-probabilities against the trainer model's: stale (the model has taken an
+    optimizer step since the last sync), then right after the sync that `trainer_generator` makes."""
+    env = make_env("keydoor")
+    texts = []
+    for task in make_tasks("keydoor", "train", num_tasks=6):
+        observation, info = env.reset(task)
+        texts.append(env.render_prompt(info["task"], [], observation, info["admissible_actions"], 0))
+    policy = ModelPolicy(trainer._tokenizer, None)
+    prompt_ids = [policy.encode(text) for text in texts]
+    backend, model = trainer.vllm_generation, trainer.model.eval()
+    backend.max_completion_length, backend.temperature = PROBE_TOKENS, 0.0
+    assert trainer.state.global_step != trainer._last_loaded_step, "the probe needs a step since the last sync"
+    _, stale_ids, stale_logprobs, _ = backend.generate(prompts=prompt_ids, images=None, num_generations=1)
+    stale = [[lp[0] for lp in row] for row in stale_logprobs]
+    with trainer_generator(trainer, 0.0) as generate:
+        synced_ids, synced = generate(prompt_ids)
+    pad = trainer._tokenizer.pad_token_id
+    config = GenerationConfig(max_new_tokens=PROBE_TOKENS, do_sample=False, eos_token_id=trainer.eos_token_ids,
+                              pad_token_id=pad)
+    hf_ids = generate_completions(model, config, prompt_ids, pad, trainer.eos_token_ids)
+    return {"dtype": str(backend.llm.llm_engine.model_config.dtype), "prompts": len(prompt_ids),
+            "stale_gap": largest_gap(stale, completion_logprobs(model, prompt_ids, stale_ids)),
+            "synced_gap": largest_gap(synced, completion_logprobs(model, prompt_ids, synced_ids)),
+            "synced_ids": [list(ids) for ids in synced_ids], "hf_ids": hf_ids,
+            "stale_ids": [list(ids) for ids in stale_ids]}
+
+
+def training(path: Path, out: Path) -> dict:
+    """Two HGPO iterations with colocated vLLM, counting the weight syncs, then the probe and an evaluation."""
+    args = HGPOConfig(output_dir=str(out / "run"), per_device_train_batch_size=16, num_generations=4,
+                      tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
+                      logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="colocate", **GAME)
+    trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8),
+                          eval_dataset=make_tasks("keydoor", "valid", num_tasks=2))
+    syncs, sync = [], generation.sync_weights
+
+    def counted(backend):
+        syncs.append(trainer.state.global_step)
+        sync(backend)
+
+    generation.sync_weights = counted
+    trainer.train()
+    trained = {"syncs": list(syncs), "global_step": trainer.state.global_step}
+    probe = sync_probe(trainer)
+    evaluated = trainer.evaluate()
+    generation.sync_weights = sync
+    logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
+    return {**trained, "iterations": len(logs), "collected": [h["steps/collected"] for h in logs],
+            "eval_tasks": evaluated["eval_tasks"], "probe": probe}
+
+
+def main(out: Path) -> None:
+    tokenizer = build_tiny_tokenizer(keydoor_corpus())
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, seed=0)  # head size 32
+    # Warm-started (5 s) so that its games are valid actions of several steps, not the same invalid output.
+    warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=5),
+               list(make_tasks("keydoor", "train", num_tasks=8)), steps=30, max_steps=5, batch_size=16,
+               learning_rate=3e-3, use_cpu=True)
+    path = save_tiny(model, tokenizer, out / "tiny")
+    results = {"evaluations": evaluations(path, out)}
+    results["training"] = training(path, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
