@@ -14,6 +14,7 @@ from hgpo_trl.envs.alfworld import AlfWorldEnv, alfworld_tasks
 from hgpo_trl.envs.base import Info, TextEnv
 from hgpo_trl.envs.gymnasium_env import GymnasiumEnv, gymnasium_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv, keydoor_tasks
+from hgpo_trl.envs.openenv_env import OpenEnvEnv, openenv_tasks
 from hgpo_trl.envs.registry import is_fast_env, make_env, make_tasks, register_env, registered_envs
 from hgpo_trl.envs.textarena_env import TextArenaEnv, textarena_tasks
 from hgpo_trl.envs.trl_env import TRLEnv, trainer_environment, trl_tasks
@@ -33,3 +34,5 @@ register_env("textarena", TextArenaEnv, textarena_tasks, fast=True)
 register_env("gymnasium", GymnasiumEnv, gymnasium_tasks, fast=True)
 # TRL's environment_factory classes (env_kwargs environment_factory: module:Class), stepped in process as TRL does.
 register_env("trl", TRLEnv, trl_tasks, fast=True)
+# OpenEnv environments (extra openenv): in process, or a client of a server on this machine (its own timeouts).
+register_env("openenv", OpenEnvEnv, openenv_tasks, fast=True)
