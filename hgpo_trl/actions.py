@@ -31,7 +31,8 @@ FORMAT_INSTRUCTIONS = {
     "tags": ("First think step by step inside <think> </think>. Then give exactly one admissible action "
              "inside <action> </action>."),
     "plain": "",
-    "tool": "First think step by step inside <think> </think>. Then call one tool, or answer without a tool to finish.",
+    # In the words of the tool prompt's own last line (trl_env.ANSWERS), which a tiny vocabulary holds.
+    "tool": "First think step by step inside <think> </think>. Then call one tool, or answer in plain words to finish.",
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
+from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.advantages import compute_advantages
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TRLEnv, make_env
@@ -179,8 +180,8 @@ def test_a_trl_class_trains_with_the_qwen25_chat_template(tmp_path):
     """HGPOTrainer(environment_factory=...) as GRPOTrainer takes it: the tools in Qwen2.5's own system prompt,
     two iterations of HGPO on the tiny model."""
     model, tokenizer = make_tiny("trl", tokenizer=QWEN25, hidden_size=16, num_layers=1, num_heads=2)
-    args = HGPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=8, num_generations=2,
-                      tasks_per_device=2, max_completion_length=6, max_env_steps=3, action_mode="tool",
+    args = HGPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=2,
+                      tasks_per_device=1, max_completion_length=6, max_env_steps=2, action_mode="tool",
                       estimator="hgpo", learning_rate=1e-2, train_iterations=2, logging_steps=1, report_to="none",
                       use_cpu=True, save_strategy="no", seed=0, disable_tqdm=True)
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=Dataset.from_list(ROWS),
@@ -271,5 +272,7 @@ save_strategy: "no"
     main(["--config", str(config)])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["iterations"] == 1 and summary["config"]["trainer"]["env_name"] == "trl"
-    vocabulary = AutoTokenizer.from_pretrained(tmp_path / "out").get_vocab()
-    assert {"move", "direction", "left", "right", "goal", "cell", "wall", "error"} <= set(vocabulary)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert {"move", "direction", "left", "right", "goal", "cell", "wall", "error"} <= set(tokenizer.get_vocab())
+    # Every word of a prompt is known: the tool mode's instruction included.
+    assert tokenizer.unk_token_id not in tokenizer(FORMAT_INSTRUCTIONS["tool"])["input_ids"]
