@@ -29,6 +29,7 @@ import json
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -133,7 +134,20 @@ def _typed(arguments: dict[str, Any], schema: dict) -> dict[str, Any]:
 
 
 def _run(value: Any) -> Any:
-    return asyncio.run(value) if inspect.isawaitable(value) else value
+    """A sync or async tool's result. Where an event loop already runs in this thread (a notebook's), the
+    coroutine runs to its end on a thread of its own: asyncio.run refuses to nest."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def result() -> Any:
+        return await value
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(result())
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, result()).result()
 
 
 def _member(instance: Any, name: str | None, default: Any = None) -> Any:

@@ -1,6 +1,7 @@
 """TRL's environment_factory classes played a tool call a step (envs/trl_env.py): the class as TRL reads it, its
 episodes, the groups GiGPO/HGPO form on it, training with the Qwen2.5 chat template and the tiny quickstart path."""
 
+import asyncio
 import json
 import random
 from pathlib import Path
@@ -119,6 +120,41 @@ def test_a_trl_class_plays_a_tool_call_a_step():
     env.reset(ROWS[1])
     assert env.step("The goal is too far.")[:4] == ("", 0.0, True, False)
     assert env.step(None)[0] == ""  # an output that did not parse: nothing sent
+
+
+class Counter:
+    """Async tools and reward, a step reward, and no done member: only an answer without a call ends it."""
+
+    def reset(self, **row) -> None:
+        self.count = 0
+
+    async def add(self, amount: int) -> str:
+        """Add to the count.
+
+        Args:
+            amount: how much.
+        """
+        self.count += amount
+        return f"count {self.count}"
+
+    @property
+    def step_reward(self) -> float:
+        return 0.5
+
+    async def get_reward(self) -> float:
+        return float(self.count)
+
+
+def test_async_tools_step_rewards_and_an_answer_ending_the_episode():
+    env = make_env("trl", environment_factory=Counter, done=None, max_steps=5)
+    assert env.reset({"prompt": "Count to 4."})[0] == ""  # (reset returned None: no first observation)
+    assert env.step("add(amount='3')")[:4] == ("count 3", 0.5, False, False)  # "3" typed as the schema's integer
+
+    async def in_a_running_loop():  # as in a notebook, where asyncio.run cannot nest
+        return env.step("add(amount=1)")
+
+    assert asyncio.run(in_a_running_loop())[:4] == ("count 4", 0.5, False, False)
+    assert env.step("Four.")[:4] == ("", 4.0, True, False)  # get_reward() at the end, awaited
 
 
 def test_a_dict_of_classes_routes_rows_by_their_environment_column():
