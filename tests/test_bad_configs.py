@@ -110,7 +110,7 @@ ROWS = [
      r"one of \('greedy', 'karmarkar_karp'\)"),
     ("advantage-norm", "advantage_norm: zscore\n", [], None, r"HGPOConfig\.advantage_norm", r"one of"),
     ("env-name", "env_name: minecraft\n", [], None, r"HGPOConfig\.env_name: unknown environment 'minecraft'",
-     r"registered: \['alfworld', 'gymnasium', 'keydoor', 'textarena', 'webshop'\]"),
+     r"registered: \['alfworld', 'gymnasium', 'keydoor', 'openenv', 'textarena', 'trl', 'webshop'\]"),
     # Batch sizes (TRL: the generation batch must hold whole groups of num_generations)
     ("batch-vs-generations", "num_generations: 3\nper_device_train_batch_size: 16\n", [], None,
      r"HGPOConfig\.num_generations \(3\) must divide the step samples of an iteration, per_device_train_batch_size "
