@@ -144,6 +144,12 @@ def sampling_config(config: GenerationConfig, temperature: float) -> GenerationC
     return config
 
 
+def sampled_logprobs(logprobs: list[list[list[float]]]) -> list[list[float]]:
+    """One log-probability per completion token, the sampled token's, from TRL's vLLM answers (colocated or from a
+    server: per token the sampled token's first, then any top-k)."""
+    return [[token[0] for token in completion] for completion in logprobs]
+
+
 @contextmanager
 def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
     """The trainer's `Generate` for one whole rollout: TRL's vLLM backend (weights synced once per rollout, at a
@@ -158,7 +164,7 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
 
         def generate(prompt_ids):
             _, completion_ids, logprobs, _ = backend.generate(prompts=prompt_ids, images=None, num_generations=1)
-            return completion_ids, [[lp[0] for lp in seq] for seq in logprobs]
+            return completion_ids, sampled_logprobs(logprobs)
 
         try:
             yield generate

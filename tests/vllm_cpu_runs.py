@@ -9,16 +9,25 @@ against the trainer model's, before and after a sync. Writes results.json in the
 """
 
 import json
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from hgpo_trl import evaluate, generation
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
-from hgpo_trl.generation import ModelPolicy, generate_completions, trainer_generator
+from hgpo_trl.generation import (
+    ModelPolicy,
+    generate_completions,
+    prompts_per_call,
+    sampled_logprobs,
+    trainer_generator,
+)
+from hgpo_trl.players import load_tokenizer
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
 from hgpo_trl.trainer import HGPOTrainer
 from hgpo_trl.trajectories import read_records
@@ -74,16 +83,27 @@ def largest_gap(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True))
 
 
-def sync_probe(trainer: HGPOTrainer) -> dict:
-    """vLLM's greedy completions and log-probabilities against the trainer model's: stale (the model has taken an
-    optimizer step since the last sync), then right after the sync that `trainer_generator` makes."""
-    env = make_env("keydoor")
-    texts = []
+def probe_prompts() -> list[str]:
+    """The first prompt of 6 keydoor tasks."""
+    env, texts = make_env("keydoor"), []
     for task in make_tasks("keydoor", "train", num_tasks=6):
         observation, info = env.reset(task)
         texts.append(env.render_prompt(info["task"], [], observation, info["admissible_actions"], 0))
+    return texts
+
+
+def greedy(model, tokenizer, prompt_ids: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy completions of PROBE_TOKENS tokens."""
+    config = GenerationConfig(max_new_tokens=PROBE_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    return generate_completions(model, config, prompt_ids, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+
+
+def sync_probe(trainer: HGPOTrainer) -> dict:
+    """vLLM's greedy completions and log-probabilities against the trainer model's: stale (the model has taken an
+    optimizer step since the last sync), then right after the sync that `trainer_generator` makes."""
     policy = ModelPolicy(trainer._tokenizer, None)
-    prompt_ids = [policy.encode(text) for text in texts]
+    prompt_ids = [policy.encode(text) for text in probe_prompts()]
     backend, model = trainer.vllm_generation, trainer.model.eval()
     backend.max_completion_length, backend.temperature = PROBE_TOKENS, 0.0
     assert trainer.state.global_step != trainer._last_loaded_step, "the probe needs a step since the last sync"
@@ -91,10 +111,7 @@ def sync_probe(trainer: HGPOTrainer) -> dict:
     stale = [[lp[0] for lp in row] for row in stale_logprobs]
     with trainer_generator(trainer, 0.0) as generate:
         synced_ids, synced = generate(prompt_ids)
-    pad = trainer._tokenizer.pad_token_id
-    config = GenerationConfig(max_new_tokens=PROBE_TOKENS, do_sample=False, eos_token_id=trainer.eos_token_ids,
-                              pad_token_id=pad)
-    hf_ids = generate_completions(model, config, prompt_ids, pad, trainer.eos_token_ids)
+    hf_ids = greedy(model, trainer._tokenizer, prompt_ids)
     return {"dtype": str(backend.llm.llm_engine.model_config.dtype), "prompts": len(prompt_ids),
             "stale_gap": largest_gap(stale, completion_logprobs(model, prompt_ids, stale_ids)),
             "synced_gap": largest_gap(synced, completion_logprobs(model, prompt_ids, synced_ids)),
@@ -126,6 +143,44 @@ def training(path: Path, out: Path) -> dict:
             "eval_tasks": evaluated["eval_tasks"], "probe": probe}
 
 
+def serve(path: Path, out: Path) -> tuple[subprocess.Popen, int]:
+    """vLLM's OpenAI-compatible server for `path` on 127.0.0.1, with the options `trl vllm-serve` gives it less the
+    NCCL weight transfer (it needs CUDA). Neither `trl vllm-serve` nor `vllm serve` (which TRL 1.16's CLI runs)
+    starts on the CPU build: vLLM's CLI reads its own version under the distribution name `vllm`
+    (PackageNotFoundError); its module entry point, vllm.entrypoints.openai.api_server, does not."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", EVAL_DTYPE, "--max-model-len", "512", "--enforce-eager",
+               "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(out / "server.log").open("w")), port
+
+
+def server_generation(path: Path, port: int) -> dict:
+    """Greedy completions through the server with TRL's client, handled as the trainer handles a server's answers
+    (a process with 2 prompts fewer than the busiest sends dummy prompts after its own, whose answers are dropped),
+    against transformers' on the same float32 weights."""
+    from trl.generation.vllm_client import VLLMClient
+
+    client = VLLMClient(base_url=f"http://127.0.0.1:{port}", connection_timeout=300)
+    sent = []
+
+    def generate(prompt_ids):
+        sent.append(len(prompt_ids))
+        answer = client.generate(prompts=prompt_ids, temperature=0.0, max_tokens=PROBE_TOKENS, logprobs=0)
+        return answer["completion_ids"], sampled_logprobs(answer["logprobs"])
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), load_tokenizer(str(path))
+    policy = ModelPolicy(tokenizer, generate, call_size=lambda n: prompts_per_call(n, [n, n + 2]))
+    texts = probe_prompts()
+    completions = policy(texts)
+    ids = [list(c.completion_ids) for c in completions]
+    prompt_ids = [policy.encode(text) for text in texts]
+    return {"sent": sent, "completions": len(completions), "ids": ids, "hf_ids": greedy(model, tokenizer, prompt_ids),
+            "gap": largest_gap([c.logprobs for c in completions], completion_logprobs(model, prompt_ids, ids))}
+
+
 def main(out: Path) -> None:
     tokenizer = build_tiny_tokenizer(keydoor_corpus())
     model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, seed=0)  # head size 32
@@ -134,8 +189,13 @@ def main(out: Path) -> None:
                list(make_tasks("keydoor", "train", num_tasks=8)), steps=30, max_steps=5, batch_size=16,
                learning_rate=3e-3, use_cpu=True)
     path = save_tiny(model, tokenizer, out / "tiny")
-    results = {"evaluations": evaluations(path, out)}
-    results["training"] = training(path, out)
+    server, port = serve(path, out)  # (it starts while the rest runs)
+    try:
+        results = {"evaluations": evaluations(path, out), "training": training(path, out),
+                   "server": server_generation(path, port)}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
