@@ -95,7 +95,7 @@ def read_call(text: str, tool_format: str) -> tuple[str, dict[str, Any]] | None:
         if not match and not body.startswith("{"):
             return None
         try:
-            call = json.loads(body)
+            call = json.JSONDecoder().raw_decode(body)[0] if not match else json.loads(body)
             name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         except (ValueError, KeyError, TypeError) as err:
@@ -358,12 +358,36 @@ def trl_tasks(split: str = "train", *, rows: Any = None, data_files: Any = None)
         raise ValueError(f"task_kwargs data_files: {source!r}: {str(err).splitlines()[0]}") from None
 
 
+def writes_json_calls(tokenizer: Any) -> bool:
+    """Whether the chat template shows tools (TRL's `supports_tool_calling`) and writes an assistant's tool call
+    in a JSON form that `read_call` reads (Qwen2.5's and Qwen3's `<tool_call>` JSON, a bare `{"name", "parameters"}`
+    object): the `json` format then asks for the calls the model was trained to write."""
+    from trl.chat_template_utils import supports_tool_calling
+
+    if not supports_tool_calling(tokenizer):
+        return False
+    asked = [{"role": "user", "content": "x"}]
+    call = {"type": "function", "function": {"name": "probe", "arguments": {"a": 1}}}
+    try:
+        prompt = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                             tokenize=False)
+        answer = _drop_think(text[len(prompt):] if text.startswith(prompt) else text)
+        return read_call(answer, "json") == ("probe", {"a": 1})
+    except Exception:  # (a template that cannot render the probe writes no call we read)
+        return False
+
+
+def _drop_think(text: str) -> str:
+    return text.split("</think>", 1)[1] if "</think>" in text else text
+
+
 def trainer_environment(trainer: Any, env_factory: Callable | None,
                         environment_factory: Any) -> tuple[Callable, dict[str, Any]]:
     """HGPOTrainer's environment factory and chat-template options. A TRL environment (`environment_factory`, or
     `env_name: trl` with it in `env_kwargs`) gets `max_steps` from `max_env_steps`, `tool_format` "auto" made
-    "json" where the chat template shows tools (TRL's `supports_tool_calling`), and then the tools' schemas
-    passed to the template; every other environment is built as before."""
+    "json" where the chat template shows tools and writes JSON calls (`writes_json_calls`), and then the tools'
+    schemas passed to the template; every other environment is built as before."""
     if environment_factory is not None and env_factory is not None:
         raise ValueError("HGPOTrainer: give env_factory or environment_factory, not both")
     args, chat_template_kwargs = trainer.args, trainer.chat_template_kwargs or {}
@@ -374,9 +398,7 @@ def trainer_environment(trainer: Any, env_factory: Callable | None,
         options["environment_factory"] = environment_factory
     options.setdefault("max_steps", args.max_env_steps)
     if options.get("tool_format", "auto") == "auto":
-        from trl.chat_template_utils import supports_tool_calling
-
-        options["tool_format"] = "json" if supports_tool_calling(trainer.processing_class) else "call"
+        options["tool_format"] = "json" if writes_json_calls(trainer.processing_class) else "call"
     probe = TRLEnv(**options)  # every class's tools checked before any model runs
     kwargs = dict(chat_template_kwargs)
     if options["tool_format"] == "json":

@@ -211,6 +211,28 @@ def test_gigpo_and_hgpo_groups_form_on_a_trl_class(factory, anchors):
     assert rollout.steps[0].prompt.startswith("Reach the goal.\nTools:\n- move(direction: left | right): Move one")
 
 
+# A template that shows tools but writes a call as `CALL name key=value`, no JSON: TRL accepts it for tool calling.
+OTHER_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}"
+                  "CALL {{ c['function']['name'] }}{% for k, v in c['function']['arguments'].items() %} {{ k }}={{ v }}"
+                  "{% endfor %}{% endfor %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+@needs_qwen
+def test_auto_asks_for_json_calls_only_where_the_template_writes_them():
+    from trl.chat_template_utils import supports_tool_calling
+
+    from hgpo_trl.envs.trl_env import writes_json_calls
+    from hgpo_trl.tiny import build_tiny_tokenizer
+
+    qwen25, qwen3 = (AutoTokenizer.from_pretrained(QWEN25.parent / name) for name in ("qwen2.5-tokenizer",
+                                                                                      "qwen3-tokenizer"))
+    plain, other = build_tiny_tokenizer(["x"]), build_tiny_tokenizer(["x"])
+    other.chat_template = OTHER_TEMPLATE
+    assert supports_tool_calling(other) and not supports_tool_calling(plain)
+    assert [writes_json_calls(t) for t in (qwen25, qwen3, plain, other)] == [True, True, False, False]
+
+
 @needs_qwen
 def test_a_trl_class_trains_with_the_qwen25_chat_template(tmp_path):
     """HGPOTrainer(environment_factory=...) as GRPOTrainer takes it: the tools in Qwen2.5's own system prompt,
