@@ -7,8 +7,9 @@ TRL plays a whole episode as one completion; `TRLEnv` plays it as a `TextEnv`: t
 answer (`action_mode: tool`), a tool call in `tool_format` ("json": the `<tool_call>{"name", "arguments"}`
 JSON that tool-calling chat templates such as Qwen2.5's ask for, the tools shown by the template itself;
 "call": `name(argument=value)`, the tools listed in the prompt, for templates without tools such as the tiny
-model's), the observation its result, or TRL's `{'error': ...}` text as an invalid move when it raises, names
-no tool or cannot be read. An answer that calls no tool ends the episode, as in TRL.
+model's; `envs/trl_calls.py` writes and reads both), the observation its result, or TRL's `{'error': ...}` text
+as an invalid move when it raises, names no tool or cannot be read. An answer that calls no tool ends the
+episode, as in TRL.
 
 Conventions read from the class, never offered as tools (define them as attributes or properties, which TRL
 does not take for tools either): `done` (the name is the `done` option; an attribute or a method; truthy after
@@ -20,13 +21,11 @@ the reset text and every (call, result) so far), `won` (the episode's success; d
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import hashlib
 import importlib
 import inspect
 import json
-import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -35,17 +34,21 @@ from typing import TYPE_CHECKING, Any
 
 from hgpo_trl.envs.base import Info, rules_prompt
 from hgpo_trl.envs.registry import make_env
+from hgpo_trl.envs.trl_calls import (
+    ANSWERS,
+    TOOL_FORMATS,
+    enumerable_calls,
+    read_call,
+    tool_schemas,
+    tools_text,
+    typed_arguments,
+    writes_json_calls,
+)
 
 if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
     import datasets
 
-TOOL_FORMATS = ("auto", "json", "call")  # auto: json where the chat template shows tools (the trainer's choice),
-                                        # else call
 CONVENTIONS = ("reset", "get_reward", "state_key", "step_reward", "won")
-ANSWERS = {"json": "Call one tool, or answer in plain words to finish.",
-           "call": "Call one tool as name(argument=value), or answer in plain words to finish."}
-_CALL_START = re.compile(r"\s*([A-Za-z_]\w*)\s*\(")
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 _STARTS: dict[tuple[str, str], tuple[str, str]] = {}  # (class, row digest) -> the first start seen (see _check_start)
 
 
@@ -72,67 +75,6 @@ def environment_tools(instance: Any, done: str | None = "done") -> dict[str, Cal
             if not name.startswith("_") and name not in skip}
 
 
-def tool_schemas(tools: Mapping[str, Callable], owner: str) -> list[dict]:
-    """Each tool's JSON schema as TRL and the chat template read it; one line naming the tool when it has none."""
-    from transformers.utils import get_json_schema
-
-    schemas = []
-    for name, tool in tools.items():
-        try:
-            schemas.append(get_json_schema(tool))
-        except Exception as err:  # (transformers' TypeHintParsingException / DocstringParsingException)
-            raise ValueError(f"environment_factory {owner}: tool {name!r} cannot be described ({err}); give it type "
-                             "hints and a docstring with an Args section, as TRL requires") from None
-    return schemas
-
-
-def read_call(text: str, tool_format: str) -> tuple[str, dict[str, Any]] | None:
-    """(tool name, arguments) of the tool call `text` starts with; None for an answer that calls no tool.
-    A call that cannot be read raises ValueError, its message one line."""
-    if tool_format == "json":
-        match = _TOOL_CALL.search(text)
-        body = match.group(1).strip() if match else text.strip()
-        if not match and not body.startswith("{"):
-            return None
-        try:
-            call = json.JSONDecoder().raw_decode(body)[0] if not match else json.loads(body)
-            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"unreadable tool call ({type(err).__name__}: {err}): {body[:80]!r}") from None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            raise ValueError(f"unreadable tool call (a name and a mapping of arguments expected): {body[:80]!r}")
-        return name, arguments
-    if not _CALL_START.match(text):
-        return None
-    line = text.strip().splitlines()[0]
-    try:
-        node = ast.parse(line[:line.rfind(")") + 1], mode="eval").body
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-            raise ValueError("write name(argument=value, ...)")
-        # literal_eval reads constants only: nothing the model writes is evaluated.
-        return node.func.id, {k.arg: ast.literal_eval(k.value) for k in node.keywords}
-    except (SyntaxError, ValueError, TypeError) as err:
-        raise ValueError(f"unreadable tool call ({str(err).splitlines()[0]}): {line[:80]!r}") from None
-
-
-def _typed(arguments: dict[str, Any], schema: dict) -> dict[str, Any]:
-    """Text arguments made the schema's numbers and booleans, stripped (a word-level tokenizer decodes `"left"`
-    as `" left "`)."""
-    properties = schema["function"]["parameters"].get("properties", {})
-    typed = {}
-    for key, value in arguments.items():
-        kind = properties.get(key, {}).get("type")
-        if isinstance(value, str):
-            value = value.strip()
-            if kind in ("integer", "number") and re.fullmatch(r"-?\d+(\.\d+)?", value):
-                value = int(value) if kind == "integer" and "." not in value else float(value)
-            elif kind == "boolean" and value.lower() in ("true", "false"):
-                value = value.lower() == "true"
-        typed[key] = value
-    return typed
-
-
 def _run(value: Any) -> Any:
     """A sync or async tool's result. Where an event loop already runs in this thread (a notebook's), the
     coroutine runs to its end on a thread of its own: asyncio.run refuses to nest."""
@@ -155,46 +97,6 @@ def _member(instance: Any, name: str | None, default: Any = None) -> Any:
     if not name or not hasattr(instance, name):
         return default
     return _run(getattr(instance, name)()) if inspect.ismethod(getattr(instance, name)) else getattr(instance, name)
-
-
-def written_call(name: str, arguments: Mapping[str, Any], tool_format: str) -> str:
-    """A call as the model writes it in `tool_format`."""
-    if tool_format == "json":
-        return f'<tool_call>\n{json.dumps({"name": name, "arguments": dict(arguments)})}\n</tool_call>'
-    return f"{name}({', '.join(f'{k}={v!r}' for k, v in arguments.items())})"
-
-
-def enumerable_calls(schemas: Sequence[dict], tool_format: str) -> list[str]:
-    """Every call whose arguments the schemas enumerate (enums, booleans; tools without required free-text
-    arguments): the admissible actions of the random players (tiny tokenizer, warm start)."""
-    calls = []
-    for schema in schemas:
-        function = schema["function"]
-        choices = [[{}]]
-        for key, spec in function["parameters"].get("properties", {}).items():
-            values = spec.get("enum") or ([True, False] if spec.get("type") == "boolean" else None)
-            if values is None:
-                if key in function["parameters"].get("required", []):
-                    break
-                continue
-            choices.append([{key: value} for value in values])
-        else:
-            combos = [{}]
-            for options in choices[1:]:
-                combos = [{**combo, **option} for combo in combos for option in options]
-            calls += [written_call(function["name"], combo, tool_format) for combo in combos]
-    return calls
-
-
-def tools_text(schemas: Sequence[dict]) -> str:
-    """The tools listed for a template that shows none: one line each, its signature and description."""
-    lines = ["Tools:"]
-    for schema in schemas:
-        function = schema["function"]
-        arguments = ", ".join(f"{key}: {' | '.join(map(str, spec['enum'])) if 'enum' in spec else spec.get('type')}"
-                              for key, spec in function["parameters"].get("properties", {}).items())
-        lines.append(f"- {function['name']}({arguments}): {function.get('description', '')}")
-    return "\n".join(lines)
 
 
 class TRLEnv:
@@ -296,7 +198,7 @@ class TRLEnv:
                 name, arguments = call
                 if name not in self._tools_now:
                     raise ValueError(f"Tool {name} not found.")  # (TRL's words)
-                result = _run(self._tools_now[name](**_typed(arguments, self._schema[name])))
+                result = _run(self._tools_now[name](**typed_arguments(arguments, self._schema[name])))
                 reward = float(_member(self._env, "step_reward", 0.0) or 0.0)
         except Exception as err:  # the tool's own failure, whatever its type: TRL answers it with the error
             call, invalid, result = (), True, {"error": str(err).splitlines()[0] if str(err) else type(err).__name__}
@@ -358,36 +260,26 @@ def trl_tasks(split: str = "train", *, rows: Any = None, data_files: Any = None)
         raise ValueError(f"task_kwargs data_files: {source!r}: {str(err).splitlines()[0]}") from None
 
 
-def writes_json_calls(tokenizer: Any) -> bool:
-    """Whether the chat template shows tools (TRL's `supports_tool_calling`) and writes an assistant's tool call
-    in a JSON form that `read_call` reads (Qwen2.5's and Qwen3's `<tool_call>` JSON, a bare `{"name", "parameters"}`
-    object): the `json` format then asks for the calls the model was trained to write."""
-    from trl.chat_template_utils import supports_tool_calling
-
-    if not supports_tool_calling(tokenizer):
-        return False
-    asked = [{"role": "user", "content": "x"}]
-    call = {"type": "function", "function": {"name": "probe", "arguments": {"a": 1}}}
-    try:
-        prompt = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
-        text = tokenizer.apply_chat_template([*asked, {"role": "assistant", "content": "", "tool_calls": [call]}],
-                                             tokenize=False)
-        answer = _drop_think(text[len(prompt):] if text.startswith(prompt) else text)
-        return read_call(answer, "json") == ("probe", {"a": 1})
-    except Exception:  # (a template that cannot render the probe writes no call we read)
-        return False
-
-
-def _drop_think(text: str) -> str:
-    return text.split("</think>", 1)[1] if "</think>" in text else text
+def tool_setup(options: Mapping[str, Any], tokenizer: Any,
+               chat_template_kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A TRL environment's options and the chat-template options for `tokenizer`'s model: `tool_format` "auto"
+    made "json" where the template writes JSON calls (`writes_json_calls`), else "call"; in json, the tools'
+    schemas passed to the template. The trainer and hgpo-eval both take them from here, so a model is evaluated
+    with the prompts it trained on."""
+    options, kwargs = dict(options), dict(chat_template_kwargs or {})
+    if options.get("tool_format", "auto") == "auto":
+        options["tool_format"] = "json" if writes_json_calls(tokenizer) else "call"
+    probe = TRLEnv(**options)  # every class's tools checked before any model runs
+    if options["tool_format"] == "json":
+        kwargs["tools"] = probe.all_schemas()
+    return options, kwargs
 
 
 def trainer_environment(trainer: Any, env_factory: Callable | None,
                         environment_factory: Any) -> tuple[Callable, dict[str, Any]]:
     """HGPOTrainer's environment factory and chat-template options. A TRL environment (`environment_factory`, or
-    `env_name: trl` with it in `env_kwargs`) gets `max_steps` from `max_env_steps`, `tool_format` "auto" made
-    "json" where the chat template shows tools and writes JSON calls (`writes_json_calls`), and then the tools'
-    schemas passed to the template; every other environment is built as before."""
+    `env_name: trl` with it in `env_kwargs`) gets `max_steps` from `max_env_steps` and its tools as `tool_setup`
+    says; every other environment is built as before."""
     if environment_factory is not None and env_factory is not None:
         raise ValueError("HGPOTrainer: give env_factory or environment_factory, not both")
     args, chat_template_kwargs = trainer.args, trainer.chat_template_kwargs or {}
@@ -397,10 +289,5 @@ def trainer_environment(trainer: Any, env_factory: Callable | None,
     if environment_factory is not None:
         options["environment_factory"] = environment_factory
     options.setdefault("max_steps", args.max_env_steps)
-    if options.get("tool_format", "auto") == "auto":
-        options["tool_format"] = "json" if writes_json_calls(trainer.processing_class) else "call"
-    probe = TRLEnv(**options)  # every class's tools checked before any model runs
-    kwargs = dict(chat_template_kwargs)
-    if options["tool_format"] == "json":
-        kwargs["tools"] = probe.all_schemas()
+    options, kwargs = tool_setup(options, trainer.processing_class, chat_template_kwargs)
     return partial(TRLEnv, **options), kwargs

@@ -17,7 +17,7 @@ from hgpo_trl.advantages import compute_advantages
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TRLEnv, make_env
 from hgpo_trl.envs.pool import make_env_batch
-from hgpo_trl.envs.trl_env import read_call, written_call
+from hgpo_trl.envs.trl_calls import read_call, written_call
 from hgpo_trl.generation import encode_prompt
 from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
 from hgpo_trl.tiny import make_tiny
@@ -222,7 +222,7 @@ OTHER_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m.get('tool_cal
 def test_auto_asks_for_json_calls_only_where_the_template_writes_them():
     from trl.chat_template_utils import supports_tool_calling
 
-    from hgpo_trl.envs.trl_env import writes_json_calls
+    from hgpo_trl.envs.trl_calls import writes_json_calls
     from hgpo_trl.tiny import build_tiny_tokenizer
 
     qwen25, qwen3 = (AutoTokenizer.from_pretrained(QWEN25.parent / name) for name in ("qwen2.5-tokenizer",
