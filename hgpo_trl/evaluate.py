@@ -168,8 +168,10 @@ def cpu_overrides(argv: list[str] | None) -> list[str]:
     except yaml.YAMLError:
         config = {}
     turned_off = [name[2:] for name in added if isinstance(config, dict) and config.get(name[2:]) is True]
+    engine = "vLLM's CPU build" if kept and isinstance(config, dict) and config.get("use_vllm") is True else \
+        "transformers"
     if model_plays and turned_off:
-        print(f"evaluate.py: no GPU visible: the model generates with transformers on the CPU "
+        print(f"evaluate.py: no GPU visible: the model generates with {engine} on the CPU "
               f"({' and '.join(turned_off)} off)")
     return [*argv, *(item for name in added for item in (name, "false"))]
 

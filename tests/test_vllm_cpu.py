@@ -40,11 +40,14 @@ def test_server_mode_on_a_cpu_is_refused_in_one_line(monkeypatch):
 
 
 @pytest.mark.parametrize("build", [True, False])
-def test_hgpo_eval_keeps_use_vllm_on_a_cpu_only_with_the_cpu_build(monkeypatch, build):
-    monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: build)
+def test_hgpo_eval_keeps_use_vllm_on_a_cpu_only_with_the_cpu_build(monkeypatch, capsys, tmp_path, build):
     monkeypatch.setattr("hgpo_trl.evaluate.cpu_build", lambda: build)
-    argv = cpu_overrides(["--model_name_or_path", "tiny"])
+    config = tmp_path / "gpu.yaml"
+    config.write_text("use_vllm: true\nbf16: true\n")
+    argv = cpu_overrides(["--config", str(config), "--model_name_or_path", "run"])
     assert ("--use_vllm" in argv) is not build and argv[-2:] == ["--bf16", "false"]
+    engine, off = ("vLLM's CPU build", "bf16 off") if build else ("transformers", "use_vllm and bf16 off")
+    assert f"no GPU visible: the model generates with {engine} on the CPU ({off})" in capsys.readouterr().out
 
 
 def test_vllm_starts_with_the_scan_breakers_out_of_sight_and_in_process(monkeypatch):
