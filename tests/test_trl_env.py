@@ -334,3 +334,34 @@ save_strategy: "no"
     assert {"move", "direction", "left", "right", "goal", "cell", "wall", "error"} <= set(tokenizer.get_vocab())
     # Every word of a prompt is known: the tool mode's instruction included.
     assert tokenizer.unk_token_id not in tokenizer(FORMAT_INSTRUCTIONS["tool"])["input_ids"]
+
+
+@needs_qwen
+def test_hgpo_eval_plays_a_trl_class_in_the_format_the_model_trained_with(tmp_path):
+    """hgpo-eval takes the tool format and tools from the model's chat template as the trainer does: json for
+    Qwen2.5 (before, it played the call format, whose prompts list the tools, to a model trained on json)."""
+    from hgpo_trl.evaluate import main as hgpo_eval
+
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"""model_name_or_path: tiny
+tiny_tokenizer: {QWEN25}
+tiny_hidden_size: 16
+tiny_num_layers: 1
+tiny_num_heads: 2
+output_dir: {tmp_path}/run
+report_to: none
+use_cpu: true
+disable_tqdm: true
+env_name: trl
+env_kwargs: {{environment_factory: "tests.test_trl_env:Corridor"}}
+task_kwargs: {{rows: {json.dumps({split: [{"prompt": "Reach the goal.", "goal": 2}] for split in ("train", "valid")})}}}
+action_mode: tool
+max_env_steps: 2
+max_completion_length: 4
+trajectory_dump_every: 1
+""")
+    hgpo_eval(["--config", str(config), "--eval_output_dir", str(tmp_path / "eval"), "--seeds", "1"])
+    [dump] = (tmp_path / "eval" / "trajectories").glob("model_valid_seed1.jsonl")
+    prompts = [json.loads(line)["prompt"] for line in dump.read_text().splitlines() if '"prompt"' in line]
+    assert prompts and all(p.startswith("Reach the goal.\n\nStep 0.") for p in prompts[:1])
+    assert not any("Tools:" in p for p in prompts)  # json: the chat template shows the tools, not the prompt
