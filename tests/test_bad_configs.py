@@ -104,7 +104,7 @@ ROWS = [
      r"tiny_cpu\.yaml\), or set use_vllm: false \(e\.g\. --use_vllm false\)"),
     ("bf16-without-gpu", "bf16: true\n", ["--use_cpu", "false"], None, r"HGPOConfig: this config needs a GPU and no GPU",
      r"set bf16: false"),
-    ("action-mode", "action_mode: json\n", [], None, r"HGPOConfig\.action_mode", r"one of \('tags', 'plain'\)"),
+    ("action-mode", "action_mode: json\n", [], None, r"HGPOConfig\.action_mode", r"one of \('tags', 'plain', 'tool'\)"),
     ("invalid-action", "invalid_action: retry\n", [], None, r"HGPOConfig\.invalid_action", r"one of \('noop'"),
     ("balance-partition", "balance_partition: lpt\n", [], None, r"HGPOConfig\.balance_partition",
      r"one of \('greedy', 'karmarkar_karp'\)"),
