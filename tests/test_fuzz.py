@@ -26,6 +26,7 @@ from hgpo_trl.actions import (
     ACTION_MODES,
     FORMAT_INSTRUCTIONS,
     MAX_ACTION_CHARS,
+    MAX_TOOL_CHARS,
     match_admissible,
     parse_action,
     project_released,
@@ -123,6 +124,11 @@ def test_parse_action_never_raises_and_returns_a_clean_action(text, mode, requir
     if action is None:
         return
     assert isinstance(action, str) and action
+    if mode == "tool":  # (TRL classes) the answer after the reasoning as written: a tool call keeps its case
+        answer = text[text.find("</think>") + len("</think>"):] if require_think else None
+        assert action == action.strip() and len(action) <= MAX_TOOL_CHARS and not _TAG.search(action)
+        assert not (reject_cjk and _CJK.search(text)) and (answer is None or action == answer.strip())
+        return
     assert action == action.strip() == action.lower() == " ".join(action.split())
     assert len(action) <= MAX_ACTION_CHARS and not _TAG.search(action)
     assert not (reject_cjk and _CJK.search(text))
