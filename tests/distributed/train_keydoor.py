@@ -9,7 +9,8 @@ warmstart=STEPS: train.py's order: the config, then a supervised warm start of S
 each process also writes the checksums of the model before and after the warm start. model=folder: the tiny
 model saved to a folder and loaded by train.py's loader (hgpo_trl.cli.load_model), as a hub model is.
 
-dynamic=1: dynamic sampling (at most 3 rollout batches); episodes end after one step, every one paid 0 on
+dynamic=1: dynamic sampling (at most 3 rollout batches); episodes end after one step (an invalid output's too: it
+reaches the environment as a no-op, so no sampled output changes what a group is paid), every one paid 0 on
 process 0 (each of its groups is dropped) and 0 or 1 alternately on process 1 (each of its groups is kept).
 
 fault=envs: every environment of process 1 fails its first reset (iteration 1), process 0's are healthy.
@@ -130,8 +131,8 @@ def main(out: str, extra: list[str]) -> None:
                         balance_steps="balance" in options, balance_partition=options.get("balance", "greedy"))
         if options.get("uneven") == "1":
             batching["invalid_action"] = "noop"
-    if options.get("dynamic") == "1":
-        batching.update(dynamic_sampling=True, max_rollout_batches=3)
+    if options.get("dynamic") == "1":  # noop: an invalid output still reaches the environment, which pays it
+        batching.update(dynamic_sampling=True, max_rollout_batches=3, invalid_action="noop")
     if options.get("fault") == "nan":
         register_estimator("nan_on_rank1", nan_on_rank1_first)
         batching["estimator"] = "nan_on_rank1"
