@@ -167,9 +167,14 @@ def check_resume(checkpoint: str | bool | None, args, processes: int, saved_star
     iteration count, the fault streak and the sub-sampling stream are each process's, the task split and the
     samples per iteration follow the process count, and DeepSpeed's partitioned optimizer state loads only on the
     world size that wrote it; then a damaged one (`resumable_checkpoint`; True, or 'true', is the newest in
-    output_dir that loads). Refused too: a resume that `args.resume_from_checkpoint` does not announce when the
+    output_dir that loads). Refused first: a resume that `args.resume_from_checkpoint` does not announce when the
     trainer saved the model passed in as the run's start (`saved_start`, `save_in_memory_weights`): it would have
     overwritten the run's own."""
+    # How the resume is asked for is wrong whatever the checkpoint holds: said before the checkpoint is read.
+    if saved_start and checkpoint not in (None, False) and not args.resume_from_checkpoint:
+        raise ResumeError(f"train(resume_from_checkpoint={str(checkpoint)!r}): set HGPOConfig.resume_from_checkpoint "
+                          "to it too (train.py does), so that the trainer reuses the run's saved reference / base "
+                          "model instead of saving the model passed in over it")
     named = isinstance(checkpoint, str | os.PathLike) and str(checkpoint).lower() != "true"
     if named:
         check_processes(checkpoint, processes)
@@ -178,10 +183,6 @@ def check_resume(checkpoint: str | bool | None, args, processes: int, saved_star
         return None
     if not named:
         check_processes(checkpoint, processes)
-    if saved_start and not args.resume_from_checkpoint:
-        raise ResumeError(f"train(resume_from_checkpoint={str(checkpoint)!r}): set HGPOConfig.resume_from_checkpoint "
-                          "to it too (train.py does), so that the trainer reuses the run's saved reference / base "
-                          "model instead of saving the model passed in over it")
     return checkpoint
 
 
