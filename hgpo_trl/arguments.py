@@ -23,7 +23,7 @@ from trl import ModelConfig
 
 from hgpo_trl.envs.registry import registered_envs
 from hgpo_trl.export import ADAPTER_CONFIG
-from hgpo_trl.parser import HELP_ALL, ConfigError, SectionParser, with_full_help
+from hgpo_trl.parser import HELP_ALL, ConfigError, SectionParser, invocation, with_full_help
 
 if TYPE_CHECKING:
     from hgpo_trl.config import HGPOConfig
@@ -164,7 +164,7 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str, a
     if "--config" in argv:
         if argv.index("--config") + 1 == len(argv):
             raise ConfigError("--config needs the path of a YAML file")
-        config = check_yaml_types(argv[argv.index("--config") + 1], sections, prog)
+        config = check_yaml_types(argv[argv.index("--config") + 1], section_fields(sections), prog)
     # Before parsing: HGPOConfig checks `estimator` against the registered estimators as it is built.
     import_env_modules(requested_env_modules(argv, config))
     # No abbreviations: a misspelt option fails as a misspelt YAML key does, rather than setting a neighbour.
@@ -275,10 +275,21 @@ def import_env_modules(names: list[str]) -> None:
             raise ConfigError(f"EnvArguments.env_modules: cannot import {name!r}: {type(err).__name__}: {err}") from None
 
 
-def check_yaml_types(path: str, sections: tuple[type, ...], prog: str) -> dict[str, Any]:
-    """The config file's mapping, checked: a YAML value of the wrong type (a list where a number belongs, ...)
-    fails here with the field's name, not later inside a dependency; a string must read as one of the field's
-    types ("ten" is no int), as the parser will convert it."""
+def section_fields(sections: tuple[type, ...]) -> dict[str, tuple[str, Any]]:
+    """Every field of the dataclasses `sections`, in their order: name -> (its section's name, its type hint)."""
+    table: dict[str, tuple[str, Any]] = {}
+    for section in sections:
+        hints = typing.get_type_hints(section)
+        for f in dataclasses.fields(section):
+            table.setdefault(f.name, (section.__name__, hints.get(f.name)))
+    return table
+
+
+def check_yaml_types(path: str, fields: dict[str, tuple[str, Any]], prog: str) -> dict[str, Any]:
+    """The config file's mapping, checked against `fields` (`section_fields`): an unknown key fails with the closest
+    field, a YAML value of the wrong type (a list where a number belongs, ...) with the field's name, not later
+    inside a dependency; a string must read as one of the field's types ("ten" is no int), as the parser will
+    convert it."""
     try:
         config = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as err:
@@ -287,17 +298,14 @@ def check_yaml_types(path: str, sections: tuple[type, ...], prog: str) -> dict[s
         raise ConfigError(f"the config file {path} must hold a YAML mapping of field: value")
     if not isinstance(config.get("env", {}), dict):
         raise ConfigError(f"env in {path} must be a mapping of environment variables, got {config['env']!r}")
-    known = {f.name for section in sections for f in dataclasses.fields(section)} | {"env"}  # env: variables
-    check_known([str(key) for key in config], known, f"config file {path}", prog)
-    for section in sections:
-        hints = typing.get_type_hints(section)
-        for f in dataclasses.fields(section):
-            if f.name not in config or f.name not in hints:
-                continue
-            expected, value = _accepted(hints[f.name]), config[f.name]
-            if expected and (not _reads_as(value, expected) if isinstance(value, str) else not isinstance(value, expected)):
-                names = ", ".join(sorted({"None" if t is type(None) else t.__name__ for t in expected}))
-                raise ConfigError(f"{section.__name__}.{f.name} must be {names}, got {config[f.name]!r} ({path})")
+    check_known([str(key) for key in config], {*fields, "env"}, f"config file {path}", prog)  # env: variables
+    for name, (section, hint) in fields.items():
+        if name not in config or hint is None:
+            continue
+        expected, value = _accepted(hint), config[name]
+        if expected and (not _reads_as(value, expected) if isinstance(value, str) else not isinstance(value, expected)):
+            names = ", ".join(sorted({"None" if t is type(None) else t.__name__ for t in expected}))
+            raise ConfigError(f"{section}.{name} must be {names}, got {value!r} ({path})")
     return config
 
 
@@ -307,7 +315,7 @@ def check_known(names: list[str], known: set[str], where: str, prog: str) -> Non
     if unknown:
         named = [f"{name} (did you mean {close[0]}?)" if (close := _closest(name, known)) else name for name in unknown]
         raise ConfigError(f"Unknown arguments from {where}: {', '.join(named)}; every key must be a field "
-                          f"(python {prog} {HELP_ALL} lists them)")
+                          f"({invocation(prog)} {HELP_ALL} lists them)")
 
 
 def _closest(name: str, known: set[str]) -> list[str]:

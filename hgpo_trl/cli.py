@@ -34,7 +34,7 @@ from hgpo_trl.arguments import (
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.base import EnvironmentFaults
-from hgpo_trl.parser import answered_help
+from hgpo_trl.parser import answered_help, command_name
 from hgpo_trl.reporting import (
     EvaluationBeforeTraining,
     plot_learning,
@@ -188,23 +188,23 @@ def main(argv: list[str] | None = None) -> None:
         try:
             env_args, args, model_args = parse(argv)
         except ConfigError as err:
-            print(f"train.py: configuration error: {err}", file=sys.stderr)
+            print(f"{command_name('train.py')}: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         try:
             summary = run(env_args, args, model_args)
         except ConfigError as err:  # found while loading the tasks or the model, before any training
-            print(f"train.py: configuration error: {err}", file=sys.stderr)
+            print(f"{command_name('train.py')}: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         except EnvironmentFaults as err:  # the environment kept failing: the message says what was saved
-            print(f"train.py: {err}", file=sys.stderr)
+            print(f"{command_name('train.py')}: {err}", file=sys.stderr)
             raise SystemExit(1) from None
         except KeyboardInterrupt as err:  # before training, or a second signal during it
-            print(f"train.py: {err or 'interrupted; nothing since the last checkpoint is saved'} (the last checkpoint: "
+            print(f"{command_name('train.py')}: {err or 'interrupted; nothing since the last checkpoint is saved'} (the last checkpoint: "
                   f"{last_checkpoint(args.output_dir) or 'none'})", file=sys.stderr)
             raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
     if summary["stopped_by_signal"]:
         if PartialState().is_main_process:  # (every process stopped; one line)
-            print(f"train.py: stopped by {summary['stopped_by_signal']} after iteration {summary['iterations']}; "
+            print(f"{command_name('train.py')}: stopped by {summary['stopped_by_signal']} after iteration {summary['iterations']}; "
                   f"checkpoint {summary['checkpoint']}; resume with: {resume_command(argv, summary['checkpoint'])}")
         raise SystemExit(128 + getattr(signal, summary["stopped_by_signal"], signal.SIGTERM))
     early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
@@ -255,7 +255,7 @@ def rehearse_main(argv: list[str]) -> None:
         try:
             report = rehearse(argv)
         except ConfigError as err:
-            print(f"train.py: configuration error: {err}", file=sys.stderr)
+            print(f"{command_name('train.py')}: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         except RehearsalError as err:
             rehearsal_failed(err)  # one line; exit 1, or 128 + the signal that stopped it

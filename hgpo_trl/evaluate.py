@@ -66,7 +66,7 @@ from hgpo_trl.evaluation import (
     summarize,
     write_report,
 )
-from hgpo_trl.parser import answered_help
+from hgpo_trl.parser import answered_help, command_name
 from hgpo_trl.players import expert_player, model_policy, random_player
 from hgpo_trl.vllm_cpu import cpu_build
 
@@ -172,7 +172,7 @@ def cpu_overrides(argv: list[str] | None) -> list[str]:
     engine = "vLLM's CPU build" if kept and isinstance(config, dict) and config.get("use_vllm") is True else \
         "transformers"
     if model_plays and turned_off:
-        print(f"evaluate.py: no GPU visible: the model generates with {engine} on the CPU "
+        print(f"{command_name('evaluate.py')}: no GPU visible: the model generates with {engine} on the CPU "
               f"({' and '.join(turned_off)} off)")
     return [*argv, *(item for name in added for item in (name, "false"))]
 
@@ -193,7 +193,7 @@ def result_folder(eval_args: EvalArguments, args: HGPOConfig, model_args: ModelC
         return folder
     free = next(folder.with_name(f"{folder.name}-{n}") for n in itertools.count(1)
                 if not (folder.with_name(f"{folder.name}-{n}") / "evaluation.json").exists())
-    print(f"evaluate.py: {folder} already holds an evaluation; writing this one to {free}")
+    print(f"{command_name('evaluate.py')}: {folder} already holds an evaluation; writing this one to {free}")
     return free
 
 
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             evaluation = prepare(argv)
         except ConfigError as err:
-            print(f"evaluate.py: configuration error: {err}", file=sys.stderr)
+            print(f"{command_name('evaluate.py')}: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         report = run(evaluation)
     for r in report["results"]:

@@ -7,13 +7,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
+from pathlib import Path
 
 from trl import ModelConfig, TrlParser
 
 from hgpo_trl.fields import HELP_SECTIONS, HGPOFields, help_section
 
 HELP_ALL = "--help-all"
+CONSOLE_SCRIPTS = {"train.py": "hgpo-train", "evaluate.py": "hgpo-eval"}  # (the repository's script: the command)
+
+
+def command_name(script: str) -> str:
+    """The command the user ran, as its messages name it: the console script (`hgpo-eval`, `hgpo-train`) when
+    that started this process, else `script` (`train.py`, `evaluate.py`; also a notebook's `main()`)."""
+    console = CONSOLE_SCRIPTS.get(script)
+    return console if console is not None and Path(sys.argv[0]).name == console else script
+
+
+def invocation(script: str) -> str:
+    """How the user runs the command again: `hgpo-eval`, or `python evaluate.py`."""
+    name = command_name(script)
+    return name if name != script else f"python {script}"
 
 
 class ConfigError(ValueError):
@@ -27,7 +43,7 @@ class SectionParser(TrlParser):
     def __init__(self, sections: tuple[type, ...], prog: str):
         self._section_types = sections
         super().__init__(sections, prog=prog, allow_abbrev=False,
-                         usage=f"python {prog} [--config FILE.yaml] [--FIELD VALUE ...]",
+                         usage=f"{invocation(prog)} [--config FILE.yaml] [--FIELD VALUE ...]",
                          description="Every field below is a key of the YAML config and an option here; an option "
                                      "given here overrides the file.")
         self.add_argument(HELP_ALL, action="store_true", default=argparse.SUPPRESS,
@@ -49,7 +65,7 @@ class SectionParser(TrlParser):
 
     def error(self, message: str):
         """argparse would print the whole usage and exit: raise the one line instead."""
-        raise ConfigError(f"{message} (python {self.prog} {HELP_ALL} lists every field)")
+        raise ConfigError(f"{message} ({invocation(self.prog)} {HELP_ALL} lists every field)")
 
 
 def help_group(section: type, name: str) -> str:
@@ -85,7 +101,7 @@ def short_help(sections: tuple[type, ...], prog: str) -> str:
     model's, then where the rest is."""
     text = SectionParser((*sections, HGPOFields, ModelConfig), prog).format_help()
     return (f"{text}\nTRL's GRPOConfig (generation, loss, vLLM) and Transformers' TrainingArguments (optimizer, "
-            f"precision, logging, saving) fields are options too: python {prog} {HELP_ALL} lists every field.\n")
+            f"precision, logging, saving) fields are options too: {invocation(prog)} {HELP_ALL} lists every field.\n")
 
 
 def answered_help(argv: list[str], sections: tuple[type, ...], prog: str) -> bool:

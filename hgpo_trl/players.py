@@ -19,6 +19,7 @@ from hgpo_trl.cli import load_tasks
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
 from hgpo_trl.generation import Generate, ModelPolicy, generate_completions, generation_settings
+from hgpo_trl.parser import command_name
 from hgpo_trl.progress import transformers_bars_as_ours
 from hgpo_trl.rollout import Completion, RolloutSettings, ScriptedPolicy
 from hgpo_trl.vllm_cpu import vllm_runs_here, vllm_starting
@@ -160,7 +161,7 @@ def model_policy(args: HGPOConfig, model_args: ModelConfig, env_args: EnvArgumen
         backend = "vllm"
     else:
         if args.use_vllm:
-            print("evaluate.py: use_vllm is set, but vLLM plays a model folder (on a GPU, or on the CPU with "
+            print(f"{command_name('evaluate.py')}: use_vllm is set, but vLLM plays a model folder (on a GPU, or on the CPU with "
                   "vllm-cpu), not the tiny model or one in memory: generating with transformers")
         with transformers_bars_as_ours(args.disable_tqdm):  # ("Loading weights" into a log)
             model, tokenizer = loaded or load_model(model_args, env_args, args)
