@@ -90,8 +90,9 @@ def play_training_batches(trainer, tasks: list) -> tuple[Rollout, list]:
     environment stops the run: the fault streak counts iterations, over every episode the iteration played."""
     args, accelerator = trainer.args, trainer.accelerator
 
-    def play(batch_tasks: list) -> Rollout:
-        return trainer._play(batch_tasks, trainer.num_generations, trainer.temperature)
+    def play(batch_tasks: list) -> Rollout:  # (its bar, or its lines, named for the iteration it plays)
+        return trainer._play(batch_tasks, trainer.num_generations, trainer.temperature,
+                             f"iteration {trainer._iteration + 1} rollout")
 
     if not args.dynamic_sampling:
         rollout = play(tasks)

@@ -151,9 +151,10 @@ class IterationProgress(ProgressCallback):
         self.current_step = self._done(args, state)  # a resumed run's
         if state.is_world_process_zero:
             in_iterations = args.train_iterations is not None
+            # (where bars do not show, no lines of its own: each iteration prints its [iter] line)
             self.training_bar = progress_bar(total=args.train_iterations if in_iterations else state.max_steps,
                                              initial=self.current_step, unit="iteration" if in_iterations else "it",
-                                             dynamic_ncols=True)
+                                             dynamic_ncols=True, lines=False)
 
     def on_step_end(self, args, state, control, **kwargs):
         done = self._done(args, state)

@@ -55,16 +55,23 @@ class InvalidOutputWarning(TrainerCallback):
 
 
 class BarOnly(ProgressCallback):
-    """The Trainer's progress bar, made as every bar is (`progress_bar`), without the metrics dicts it prints (a
-    warm start's run statistics)."""
+    """The Trainer's progress bar, made as every bar is (`progress_bar`: lines where bars do not show), counting
+    `unit`s under `desc`, with the last logged loss and without the metrics dicts the Trainer prints (a warm
+    start's run statistics)."""
+
+    def __init__(self, desc: str | None = None, unit: str = "it"):
+        super().__init__()
+        self.desc, self.unit = desc, unit
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.current_step = state.global_step
         if state.is_world_process_zero:
-            self.training_bar = progress_bar(total=state.max_steps, initial=self.current_step, dynamic_ncols=True)
+            self.training_bar = progress_bar(total=state.max_steps, initial=self.current_step, desc=self.desc,
+                                             unit=self.unit, dynamic_ncols=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        pass
+        if state.is_world_process_zero and "loss" in (logs or {}):
+            self.training_bar.set_postfix(loss=f"{logs['loss']:.3f}", refresh=False)
 
 
 def set_up_reporting(trainer) -> None:

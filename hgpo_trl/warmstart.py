@@ -64,8 +64,8 @@ def random_play(env: TextEnv, tasks: Sequence[Mapping[str, Any]], episodes: int,
                 tally: FaultTally | None = None) -> list[tuple[str, list[str], str]]:
     """(prompt, admissible actions, next observation) for every step of `episodes` episodes that take uniformly
     random admissible actions, with the prompts the rollout would build. The tasks come in a random order
-    (each once before any repeats). `progress`: a bar of the episodes played, where bars show
-    (`hgpo_trl.progress`); `max_pairs`: stop after the episode in which the (prompt, admissible action) pairs
+    (each once before any repeats). `progress`: a bar of the episodes played (where bars do not
+    show, a line every 30 s: `hgpo_trl.progress`); `max_pairs`: stop after the episode in which the (prompt, admissible action) pairs
     reach this many.
 
     An environment that raises ends its episode, whose steps are dropped, as a training rollout treats a fault;
@@ -141,8 +141,8 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
                seed: int = 0, report_to: str | list[str] = "none", use_cpu: bool = False, progress: bool = False,
                output_dir: str | None = None, gradient_checkpointing: bool = True) -> dict[str, float]:
     """Fine-tune `model` in place on (prompt, admissible action) pairs of random episodes for `steps` optimizer
-    steps (about one pass over fresh pairs); return its metrics. With `progress`, one `[warm start]` line and,
-    where bars show (`hgpo_trl.progress`), one bar. `output_dir`: where the SFT trainer may write (its logs under
+    steps (about one pass over fresh pairs); return its metrics. With `progress`, one `[warm start]` line at the end and
+    one bar of the steps with their loss (where bars do not show, a line every 30 s: `hgpo_trl.progress`). `output_dir`: where the SFT trainer may write (its logs under
     `report_to`); None: a temporary folder.
     `gradient_checkpointing`: as the RL run's (recomputing activations costs a tiny model a third of its step).
 
@@ -170,19 +170,22 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
     dataset = sft_dataset(tokenizer, pairs, answer)
     bars = shows_bars(disabled=not progress)
     with tempfile.TemporaryDirectory(prefix="hgpo-warmstart-") as scratch, data_parallel_only():
-        # One progress bar for the warm start; no per-step log dicts. The dataset comes tokenized (sft_dataset).
+        # One progress bar for the warm start (lines where bars do not show), its loss logged 20 times for it; no
+        # per-step log dicts. The dataset comes tokenized (sft_dataset).
         config = SFTConfig(output_dir=output_dir or scratch, max_steps=steps, per_device_train_batch_size=batch_size,
-                           learning_rate=learning_rate, lr_scheduler_type="constant", logging_strategy="no",
+                           learning_rate=learning_rate, lr_scheduler_type="constant",
+                           logging_strategy="steps" if progress else "no", logging_steps=max(1, steps // 20),
                            save_strategy="no", report_to=report_to, use_cpu=use_cpu,
                            bf16=cpu_precision_default(use_cpu), seed=seed, disable_tqdm=not bars,
                            log_level="warning", gradient_checkpointing=gradient_checkpointing,
                            dataset_kwargs={"skip_prepare_dataset": True})
         trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
-        # The bar (where bars show), without the Trainer's unlabelled dict of run statistics at the end.
+        # Our bar, without the Trainer's unlabelled dict of run statistics at the end.
         trainer.callback_handler.remove_callback(PrinterCallback)
         if bars:
             trainer.callback_handler.remove_callback(DEFAULT_PROGRESS_CALLBACK)  # (an HTML bar in a notebook)
-            trainer.add_callback(BarOnly())
+        if progress:
+            trainer.add_callback(BarOnly("warm start", "step"))
         result = trainer.train()
     metrics = {"warmstart_loss": float(result.training_loss), "warmstart_examples": len(dataset)}
     if progress:

@@ -2,6 +2,7 @@
 elsewhere (a log file, a pipe, CI, a kernel without ipywidgets) none, and `disable_tqdm` turns them all off.
 hgpo-eval's bar counts the turns its lock-step games advance by, not the games, which end together."""
 
+import re
 import sys
 from functools import partial
 
@@ -82,3 +83,64 @@ def test_hgpo_eval_s_bar_counts_turns_and_jumps_by_the_turns_a_chunk_did_not_nee
     assert bar.n == bar.total == 3 * 6
     assert sorted(set(counts)) == [n for chunk in range(3) for n in range(6 * chunk, 6 * chunk + 4)] + [18]
     assert bar.postfix.startswith("games=11/11, success=")
+
+
+class Clock:
+    """time.monotonic as the test sets it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_where_bars_do_not_show_a_bar_prints_a_line_every_line_seconds_with_what_is_left(monkeypatch, capsys):
+    monkeypatch.setattr(progress, "bar_style", lambda disabled: None)  # (a log file)
+    monkeypatch.setattr(progress, "time", clock := Clock())
+    bar = progress.progress_bar(total=10, desc="warm start", unit="step")
+    for now in (10, 20, 31, 40, 62):
+        clock.now = now
+        bar.update()
+        bar.set_postfix(loss="2.310", refresh=False)
+    assert capsys.readouterr().out == (  # a line once LINE_SECONDS (30 s) passed since the start or the last one
+        "[warm start] 3/10 steps (30%) in 31 s, 10.3 s/step, ~72 s left; loss=2.310\n"
+        "[warm start] 5/10 steps (50%) in 62 s, 12.4 s/step, ~62 s left; loss=2.310\n")
+    assert bar.disable and bar.n == 5  # (no bar is drawn; it counts)
+    clock.now = 100
+    for _ in progress.progress_bar(iterable=range(3), desc="random episodes", unit="episode", leave=False):
+        clock.now += 31
+    assert capsys.readouterr().out.splitlines() == [
+        f"[random episodes] {n}/3 episodes ({n / 3:.0%}) in {31 * n} s, 31 s/episode, ~{31 * (3 - n)} s left"
+        for n in (1, 2, 3)]
+    # Off: with disable_tqdm, for a bar that the [iter] lines stand for (lines=False), and on every process but
+    # the first.
+    assert type(progress.progress_bar(total=3, disabled=True)) is std.tqdm
+    assert type(progress.progress_bar(total=3, lines=False)) is std.tqdm
+    monkeypatch.setenv("RANK", "1")
+    assert type(progress.progress_bar(total=3)) is std.tqdm
+
+
+def test_a_run_whose_output_goes_to_a_file_prints_where_each_long_phase_is(tmp_path, monkeypatch, capfd):
+    """The warm start (its random episodes, then its steps and loss), each rollout's turns and each evaluation's, as
+    lines in a non-terminal's output (capfd's file); LINE_SECONDS 0 here: a line at each step of each."""
+    from hgpo_trl.cli import main
+    from tests.test_cli import TINY_RUN, write
+
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    main(["--config", write(tmp_path, TINY_RUN.replace("disable_tqdm: true\n", "") + "warmstart_steps: 3\n"
+                            "warmstart_batch_size: 8\ntrain_iterations: 1\n")])
+    printed = capfd.readouterr().out
+    assert "\r" not in printed and "\x1b[" not in printed
+    lines = printed.splitlines()
+
+    def matching(pattern: str) -> list[str]:
+        return [line for line in lines if re.fullmatch(pattern, line)]
+
+    assert matching(r"\[warm start: random episodes\] \d+/\d+ episodes \(\d+%\) in \d+ s, .*, ~\d+ s left")
+    steps = matching(r"\[warm start\] (\d)/3 steps \(\d+%\) in \d+ s, [\d.]+ (s/step|steps/s), ~\d+ s left.*")
+    assert [line.split("/")[0] for line in steps] == ["[warm start] 1", "[warm start] 2", "[warm start] 3"]
+    assert all(re.search(r"; loss=\d+\.\d{3}$", line) for line in steps[1:])  # (logged after the first step)
+    assert matching(r"\[iteration 1 rollout\] \d/5 turns \(\d+%\) in \d+ s, .* left; live_episodes=\d+")
+    assert matching(r"\[evaluation 1/1\] \d/5 turns \(\d+%\) in \d+ s, .* left; live_episodes=\d+")
+    assert lines.index(steps[-1]) < next(i for i, line in enumerate(lines) if line.startswith("[iter "))
