@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import yaml
 
 from hgpo_trl.arguments import ConfigError
+from hgpo_trl.parser import command_name
 
 MARKER = "REHEARSAL"  # a folder holding it is a rehearsal's, which a new rehearsal may clear
 MARK = "HGPO_REHEARSAL_LAUNCH"  # in every launched process's environment: how they are all found and stopped
@@ -138,16 +140,31 @@ def build_model(shape, tokenizer, folder: Path) -> Path:
         return build_model_folder(tiny_twin(shape), tokenizer, folder)
 
 
-def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout: float, bound: str = "") -> float:
+def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout: float, bound: str = "",
+           watch: Callable[[float, str, Path], None] | None = None) -> float:
     """Run `train.py argv` under `launch_file`, one `accelerate launch` per machine rank, all on this host; wall
-    seconds (`run_launches`: `timeout` and `bound`, what set it)."""
+    seconds (`run_launches`: `timeout` and `bound`, what set it; `watch`)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "DS_ACCELERATOR": "cpu"}
     commands = [([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
                   "--machine_rank", str(rank), "-m", "hgpo_trl.cli", *argv],
                  log.with_name(f"{log.stem}{'' if machines == 1 else f'_machine{rank}'}.log"))
                 for rank in range(machines)]
-    return run_launches(commands, env, timeout, bound)
+    return run_launches(commands, env, timeout, bound, watch)
+
+
+def build_deepspeed_op() -> float:
+    """DeepSpeed's CPU collective op (deepspeed_shm_comm) made ready in one process before a launch, where the
+    launched ranks look for it (TORCH_EXTENSIONS_DIR, set by `hgpo_trl` to the venv's, where set-up built it): they
+    load it, and none compiles it inside the launch (torch's lock makes the others wait minutes for the one that
+    does); its seconds (a load: seconds; a first build: 1-4 minutes)."""
+    start = time.time()
+    done = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True)
+    if done.returncode:
+        raise RehearsalError(f"DeepSpeed's CPU op did not build (make deepspeed-ops builds it at set-up): "
+                             f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+    return time.time() - start
 
 
 class _Stop(BaseException):
@@ -161,11 +178,12 @@ def _stop(number: int, frame) -> None:
 
 
 def run_launches(commands: list[tuple[list[str], Path]], env: dict[str, str], timeout: float,
-                 bound: str = "") -> float:
+                 bound: str = "", watch: Callable[[float, str, Path], None] | None = None) -> float:
     """Run each (command, log), all at once; wall seconds once all ended well. When one fails, `timeout` passes
     (`bound`: what set it), a SIGINT (Ctrl-C), SIGTERM or SIGHUP arrives or anything else goes wrong, every
     process they started is stopped before this returns or raises (`stop_marked`), and RehearsalError says why
-    and which log to read (one line for a signal)."""
+    and which log to read (one line for a signal). `watch(seconds so far, the launch's mark, the first log)` is
+    called as it waits (`watch.LaunchWatch`: the lines that say where the launch is)."""
     mark, start, running = uuid.uuid4().hex, time.time(), []
     main = threading.current_thread() is threading.main_thread()  # (signal handlers live in the main thread)
     handlers = {s: signal.signal(s, _stop) for s in STOP_SIGNALS if main and signal.getsignal(s) != signal.SIG_IGN}
@@ -181,6 +199,8 @@ def run_launches(commands: list[tuple[list[str], Path]], env: dict[str, str], ti
                            if proc.poll() not in (None, 0)), None)
             if failed is None and time.time() - start > timeout:
                 failed = (f"no end within {timeout:.0f} s{f' ({bound})' if bound else ''}: hung?", running[0][1])
+            if failed is None and watch is not None:
+                watch(time.time() - start, mark, commands[0][1])
             time.sleep(0.5)
         failed = failed or next(((f"exit code {proc.returncode}", out) for proc, out in running if proc.returncode),
                                 None)
@@ -247,5 +267,5 @@ class RehearsalInterrupted(RehearsalError):
 
 def rehearsal_failed(err: RehearsalError) -> None:
     """train.py --rehearse's end on `err`: one line; exit 1, or 128 + the signal that stopped it (as a shell says)."""
-    print(f"train.py --rehearse: {err}", file=sys.stderr)
+    print(f"{command_name('train.py')} --rehearse: {err}", file=sys.stderr)
     raise SystemExit(128 + err.signal if isinstance(err, RehearsalInterrupted) else 1) from None

@@ -127,17 +127,27 @@ def rehearsal_changes(args: HGPOConfig, processes: int, cores: int, *, num_eval_
     return [c for c in changes if c.before != c.after]
 
 
+def rollout_steps(args: HGPOConfig) -> int:
+    """The most rollout steps a process plays in a rehearsal iteration of `args`: its task's num_generations
+    episodes of ENV_STEPS steps, in up to max_rollout_batches rollout batches under dynamic_sampling."""
+    return args.num_generations * min(args.max_env_steps, ENV_STEPS) * (
+        args.max_rollout_batches if args.dynamic_sampling else 1)
+
+
+def launch_expected(args: HGPOConfig, processes: int, cores: int, iterations: int) -> float:
+    """Seconds a launch of `iterations` rehearsal iterations of `args` should take: every process's start and its
+    steps (`rollout_steps`), the processes sharing the host's `cores`."""
+    return max(1.0, processes / cores) * (START_SECONDS + iterations * rollout_steps(args) * STEP_SECONDS)
+
+
 def launch_bound(args: HGPOConfig, processes: int, cores: int, iterations: int,
                  timeout: float | None = None) -> tuple[float, str]:
     """(seconds, why): how long a launch of `iterations` rehearsal iterations of `args` may run before it is
-    stopped as hung: `timeout` (--rehearse_timeout) when given, else HUNG times what the plan expects, every
-    process's start and steps (up to max_rollout_batches rollout batches under dynamic_sampling), the processes
-    sharing the host's `cores`."""
+    stopped as hung: `timeout` (--rehearse_timeout) when given, else HUNG times what the plan expects
+    (`launch_expected`)."""
     if timeout is not None:
         return timeout, "--rehearse_timeout"
-    steps = args.num_generations * min(args.max_env_steps, ENV_STEPS) * (
-        args.max_rollout_batches if args.dynamic_sampling else 1)
-    expected = max(1.0, processes / cores) * (START_SECONDS + iterations * steps * STEP_SECONDS)
+    expected = launch_expected(args, processes, cores, iterations)
     return HUNG * expected, (f"{HUNG} x the ~{expected:.0f} s the plan expects of {processes} processes on {cores} "
                              "cores; --rehearse_timeout sets another bound")
 

@@ -24,6 +24,7 @@ from hgpo_trl.rehearsal.launch import (
     LaunchFile,
     RehearsalError,
     RehearsalInterrupted,
+    build_deepspeed_op,
     build_model,
     cpu_launch_file,
     free_port,
@@ -36,6 +37,7 @@ from hgpo_trl.rehearsal.plan import (
     ITERATIONS,
     as_options,
     launch_bound,
+    launch_expected,
     rehearsal_changes,
 )
 from hgpo_trl.rehearsal.projection import (
@@ -59,6 +61,7 @@ from hgpo_trl.rehearsal.report import (
     trained_once,
 )
 from hgpo_trl.rehearsal.shapes import ModelShape
+from hgpo_trl.rehearsal.watch import LaunchWatch, plan_line
 
 CPU_OPTIONS = ["--use_vllm", "false", "--bf16", "false", "--use_cpu", "true"]
 OWN_OPTIONS = {"--rehearse": 0, "--rehearse_tokenizer": 1, "--gpu_memory_gib": 1, "--host_memory_gib": 1,
@@ -165,11 +168,19 @@ def rehearsal_report(argv: list[str]) -> dict[str, Any]:
                  "--dtype", "float32"]
     launch_file, machines = plan.folder / "accelerate.yaml", plan.launch_file.machines
     launch_file.write_text(yaml.safe_dump(cpu_launch_file(plan.launch_file, free_port()), sort_keys=False))
-    print(f"rehearsal: {plan.launch_file.processes} processes ({machines} machine(s)) under {launch_file}; logs in "
-          f"{plan.folder}", flush=True)
-    cores = os.cpu_count() or 1
+    processes, cores = plan.launch_file.processes, os.cpu_count() or 1
+    print(f"rehearsal: {processes} processes ({machines} machine(s)) under {launch_file}; logs in {plan.folder}",
+          flush=True)
+    names = [(f"launch 1 (iterations 1-{FIRST_LAUNCH_ITERATIONS})", FIRST_LAUNCH_ITERATIONS),
+             (f"launch 2 (iteration {ITERATIONS}, resumed)", ITERATIONS - FIRST_LAUNCH_ITERATIONS)]
+    print(plan_line(plan.args, processes, cores, names, plan.timeout), flush=True)
+    if plan.launch_file.uses_deepspeed:
+        print(f"rehearsal: DeepSpeed's CPU op ready in {build_deepspeed_op():.0f} s, before any rank starts", flush=True)
+    watches = [LaunchWatch(name, iterations, launch_expected(plan.args, processes, cores, iterations), processes)
+               for name, iterations in names]
+    watches[0].then = f"{names[1][0]}, ~{watches[1].expected:,.0f} s"
     first = launch(launch_file, machines, base, plan.folder / "launch1.log",
-                   *launch_bound(plan.args, plan.launch_file.processes, cores, FIRST_LAUNCH_ITERATIONS, plan.timeout))
+                   *launch_bound(plan.args, processes, cores, FIRST_LAUNCH_ITERATIONS, plan.timeout), watches[0])
     checkpoint = get_last_checkpoint(str(plan.run_dir))
     if checkpoint is None:
         raise RehearsalError(f"the rehearsal's first launch ended without a checkpoint in {plan.run_dir} (its logs: "
@@ -178,8 +189,8 @@ def rehearsal_report(argv: list[str]) -> dict[str, Any]:
           f"{Path(checkpoint).name}", flush=True)
     second = launch(launch_file, machines, [*base, "--train_iterations", str(ITERATIONS), "--resume_from_checkpoint",
                                             checkpoint], plan.folder / "launch2.log",
-                    *launch_bound(plan.args, plan.launch_file.processes, cores, ITERATIONS - FIRST_LAUNCH_ITERATIONS,
-                                  plan.timeout))
+                    *launch_bound(plan.args, processes, cores, ITERATIONS - FIRST_LAUNCH_ITERATIONS, plan.timeout),
+                    watches[1])
     launches = [{"name": f"1 (iterations 1-{FIRST_LAUNCH_ITERATIONS})", "wall_s": first},
                 {"name": f"2 (iteration {ITERATIONS}, resumed from {Path(checkpoint).name})", "wall_s": second}]
     report = build_report(plan, launches, Path(checkpoint).name)
