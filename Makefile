@@ -12,7 +12,7 @@ TORCH ?= torch==2.13.0
 UV ?= uv>=0.9,<1
 UV_FIND_LINKS := $(foreach link,$(PIP_FIND_LINKS),--find-links $(link)) \
 	$(if $(PIP_INDEX_URL),--index-url $(PIP_INDEX_URL)) $(foreach url,$(PIP_EXTRA_INDEX_URL),--extra-index-url $(url))
-TEST_EXTRAS ?= dev,deepspeed,alfworld,textarena,gymnasium
+TEST_EXTRAS ?= dev,deepspeed,alfworld,textarena,gymnasium,openenv
 DEMO_EXTRAS ?= dev
 
 export OMP_NUM_THREADS ?= 1
