@@ -23,6 +23,7 @@ from hgpo_trl.advantages.groups import DDOFS, NORMS
 from hgpo_trl.advantages.grpo import EPISODE_STATS
 from hgpo_trl.advantages.hgpo import WEIGHTINGS
 from hgpo_trl.balance import PARTITIONS
+from hgpo_trl.continuous import ROLLOUT_MODES
 from hgpo_trl.dynamic_sampling import TASK_CHOICES
 from hgpo_trl.envs.registry import invalid_tail_chars, prompt_has_format
 from hgpo_trl.fields import ESTIMATOR_FIELDS, HGPOFields
@@ -251,6 +252,10 @@ class HGPOConfig(HGPOFields, GRPOConfig):
              "process group of that size shares one vLLM engine)"),
             ("vllm_mode", not (self.use_vllm and self.vllm_mode == "server" and not torch.cuda.is_available()),
              "'colocate' where no GPU is visible (the server's weight sync is NCCL's, which needs CUDA)"),
+            ("rollout_mode", self.rollout_mode in ROLLOUT_MODES, f"one of {ROLLOUT_MODES}"),
+            ("rollout_mode", self.rollout_mode != "continuous" or not self.use_vllm or self.streams_from_vllm,
+             "'lockstep' or 'auto' with vllm_mode 'server', vllm_tensor_parallel_size > 1 or vllm_enable_sleep_mode "
+             "(every process joins each generate call there; continuous needs colocated vLLM of its own)"),
             ("step_batching", self.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
             ("max_rollout_batches", self.max_rollout_batches >= 1, "an integer >= 1"),
             ("dynamic_sampling_tasks", self.dynamic_sampling_tasks in TASK_CHOICES, f"one of {TASK_CHOICES}"),
@@ -340,6 +345,18 @@ class HGPOConfig(HGPOFields, GRPOConfig):
         """K, the deepest HGPO level."""
         return self.history_length if self.hierarchy_depth is None else self.hierarchy_depth
 
+    @property
+    def streams_from_vllm(self) -> bool:
+        """Whether vLLM takes this process's requests one at a time: colocated, an engine of its own per process,
+        woken once (not per call, as sleep mode does)."""
+        return (self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size == 1
+                and not self.vllm_enable_sleep_mode)
+
+    @property
+    def continuous_rollout(self) -> bool:
+        """Whether rollouts play continuously (`rollout_mode`; 'auto': where vLLM streams)."""
+        return self.rollout_mode == "continuous" or (self.rollout_mode == "auto" and self.streams_from_vllm)
+
     def rollout_settings(self) -> RolloutSettings:
         return RolloutSettings(
             history_length=self.history_length, max_steps=self.max_env_steps, action_mode=self.action_mode,
@@ -387,6 +404,10 @@ def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_con
     if args.early_stop_success is not None and not has_eval_dataset:
         raise ValueError("HGPOConfig.early_stop_success needs an eval_dataset of task rows (it stops on "
                          "validation success)")
+    if args.continuous_rollout and not args.use_vllm and (
+            args.fsdp or (deepspeed_config or {}).get("zero_optimization", {}).get("stage") == 3):
+        raise ValueError("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with transformers' generation under "
+                         "ZeRO-3 or FSDP: every process joins every forward there, so no episode may advance alone")
     if args.step_batching == "all_steps" and (deepspeed_config or {}).get("scheduler"):
         raise ValueError("step_batching='all_steps' schedules the learning rate by iteration: remove the "
                          "'scheduler' section of the DeepSpeed config (it would step per optimizer step over "

@@ -28,6 +28,15 @@ class HGPOFields:
         default=None, metadata={"help": "Seconds a worker may take for one step call before its episodes fail."})
     env_reset_timeout: float | None = field(
         default=None, metadata={"help": "Seconds a worker may take for one reset call (and to start)."})
+    rollout_mode: str = field(
+        default="auto", metadata={"help": "How a rollout's episodes advance: 'lockstep' (as released: each turn "
+                                          "generates every live episode's prompt in one call, then steps every "
+                                          "environment), 'continuous' (each episode on its own: its next prompt "
+                                          "goes to the engine as soon as its environment answers, environments "
+                                          "step in their workers while the engine generates; the same step "
+                                          "records; colocated vLLM without tensor parallelism or sleep mode, or "
+                                          "transformers without ZeRO-3 / FSDP) or 'auto' (continuous with "
+                                          "colocated vLLM, else lockstep)."})
     max_faulty_iterations: int = field(
         default=3, metadata={"help": "Stop (after saving a checkpoint) when this many iterations in a row have more "
                                      "than half their episodes failed by environment faults; 0: never stop."})

@@ -8,6 +8,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,9 +17,11 @@ from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from hgpo_trl.collective import any_process, process_values
+from hgpo_trl.continuous import PolicyStream, run_continuous
 from hgpo_trl.progress import progress_bar
 from hgpo_trl.rollout import Completion, Rollout, run_rollout
 from hgpo_trl.vllm_cpu import sync_weights
+from hgpo_trl.vllm_stream import VLLMStream, sampled_logprobs
 
 # generate(prompt_ids) -> (completion_ids, sampling log-probabilities per token, or None when the backend has none)
 Generate = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
@@ -117,9 +120,14 @@ class ModelPolicy:
         self._encoded[text] = self.encode(text)
         return len(self._encoded[text])
 
-    def __call__(self, prompts: list[str]) -> list[Completion]:
+    def prompt_ids(self, prompts: list[str]) -> list[list[int]]:
+        """The ids of prompts just fitted (kept from count_tokens); the fitting attempts are dropped."""
         prompt_ids = [self._encoded[p] if p in self._encoded else self.encode(p) for p in prompts]
-        self._encoded.clear()  # this turn's fitting attempts
+        self._encoded.clear()
+        return prompt_ids
+
+    def __call__(self, prompts: list[str]) -> list[Completion]:
+        prompt_ids = self.prompt_ids(prompts)
         count = self.call_size(len(prompt_ids)) if self.call_size else len(prompt_ids)
         padded = prompt_ids + [self.encode("")] * (count - len(prompt_ids))
         if padded:
@@ -142,12 +150,6 @@ def sampling_config(config: GenerationConfig, temperature: float) -> GenerationC
     else:
         config.temperature, config.top_k = 1.0, None
     return config
-
-
-def sampled_logprobs(logprobs: list[list[list[float]]]) -> list[list[float]]:
-    """One log-probability per completion token, the sampled token's, from TRL's vLLM answers (colocated or from a
-    server: per token the sampled token's first, then any top-k)."""
-    return [[token[0] for token in completion] for completion in logprobs]
 
 
 @contextmanager
@@ -186,10 +188,12 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
 
 def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_size: int, temperature: float,
                     description: str) -> Rollout:
-    """One rollout of the trainer's policy: every task played `group_size` times in `envs`, one generate call
-    of `trainer_generator`'s per turn. With several processes every process joins every call (with dummy prompts when
-    it has no live episode, or fewer than a backend that slices by position needs) until no process has a live
-    episode."""
+    """One rollout of the trainer's policy: every task played `group_size` times in `envs`. Lock-step: one generate
+    call of `trainer_generator`'s per turn; with several processes every process joins every call (with dummy
+    prompts when it has no live episode, or fewer than a backend that slices by position needs) until no process
+    has a live episode. Continuous (`rollout_mode`): each episode on its own, colocated vLLM's requests one by one
+    (`VLLMStream`) or transformers' generate on the prompts waiting (`PolicyStream`), no process waiting for
+    another."""
     bar = progress_bar(total=trainer.args.max_env_steps, desc=description, unit="turn", leave=False,
                        dynamic_ncols=True, disabled=trainer.args.disable_tqdm or not trainer.accelerator.is_main_process)
 
@@ -201,10 +205,16 @@ def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_siz
         by_position = slices_by_position(trainer.use_vllm, trainer.vllm_mode, trainer.vllm_tensor_parallel_size)
         return prompts_per_call(count, process_values(trainer.accelerator, count) if by_position else None)
 
-    lockstep = trainer.accelerator.num_processes > 1
+    lockstep = trainer.accelerator.num_processes > 1 and not trainer.args.continuous_rollout
     with trainer_generator(trainer, temperature) as generate, bar:
         policy = ModelPolicy(trainer._tokenizer, generate, trainer.chat_template_kwargs,
                              call_size=lockstep_count if lockstep else None)
+        if trainer.args.continuous_rollout:
+            stream = VLLMStream(trainer.vllm_generation, temperature, lambda text: policy.prompt_ids([text])[0],
+                                partial(trainer._tokenizer.decode, skip_special_tokens=True)) \
+                if trainer.use_vllm else PolicyStream(policy)
+            return run_continuous(envs, tasks, group_size, stream, trainer.rollout_settings, on_turn=on_turn,
+                                  count_tokens=policy.count_tokens)
         return run_rollout(envs, tasks, group_size, policy, trainer.rollout_settings, on_turn=on_turn,
                            keep_going=(lambda live: any_process(trainer.accelerator, live > 0)) if lockstep else None,
                            count_tokens=policy.count_tokens)

@@ -3,7 +3,8 @@
 Each turn builds the memory-window prompt of every live environment, asks the policy for all of them in ONE
 call, parses the actions and steps the environments. Every step becomes a `StepRecord`; the rollout knows
 nothing about advantages or training. The policy is any callable from prompt texts to `Completion`s, so a
-scripted policy (tests, baselines) plays exactly like a model.
+scripted policy (tests, baselines) plays exactly like a model. What an episode's step is (its prompt, its action,
+its record) lives in `EpisodeStates`, which the continuous rollout (`hgpo_trl.continuous`) drives too.
 """
 
 from __future__ import annotations
@@ -171,6 +172,108 @@ def read_action(text: str, settings: RolloutSettings, admissible: Sequence[str])
     return (match_admissible(action, admissible) if settings.admissible_only else action), False
 
 
+class EpisodeStates:
+    """The episodes of one rollout as they advance, whichever loop drives them (lock-step here, continuous in
+    `hgpo_trl.continuous`): each one's memory, current observation and info, and the records of its steps.
+    Building the environments' resets, each next prompt and each step's record here, once, is what makes both
+    loops give the same records. `env_seconds` counts the resets; the loops add their waits on steps."""
+
+    def __init__(self, envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: int,
+                 settings: RolloutSettings, count_tokens: Callable[[str], int] | None = None,
+                 on_episode_end: Callable[[Episode], None] | None = None):
+        if settings.max_prompt_tokens is not None and count_tokens is None:
+            raise ValueError("RolloutSettings.max_prompt_tokens needs count_tokens (the policy's prompt token count)")
+        count = len(tasks) * group_size
+        if count > len(envs):
+            raise ValueError(f"need {count} environments for {len(tasks)} tasks x {group_size} rollouts, "
+                             f"got {len(envs)}")
+        self.envs, self.settings, self.count_tokens, self.on_episode_end = envs, settings, count_tokens, on_episode_end
+        self.start = time.perf_counter()
+        self.episodes = [Episode(group=i // group_size, traj=i) for i in range(count)]
+        self.memories = [Memory() for _ in range(count)]
+        resets = envs.reset([tasks[i // group_size] for i in range(count)])
+        self.env_seconds = time.perf_counter() - self.start
+        self.observations = [r.observation for r in resets]
+        self.infos = [r.info for r in resets]
+        self.task_texts = [info.get("task", "") for info in self.infos]
+        self.done = [False] * count
+        self.records: list[StepRecord] = []
+        self.escape = settings.escape_text or (lambda text: text)
+        for i, result in enumerate(resets):
+            if result.fault is not None:
+                self.episodes[i].fault = result.fault
+                self._end(i)
+
+    def live(self) -> list[int]:
+        """The episodes not ended, in index order."""
+        return [i for i, finished in enumerate(self.done) if not finished]
+
+    def prompt(self, i: int) -> FittedPrompt:
+        """Episode i's next prompt: its memory window and current observation, fitted to max_prompt_tokens."""
+        settings, escape, info = self.settings, self.escape, self.infos[i]
+        arguments = (partial(self.envs.render_prompt, i), escape(self.task_texts[i]), self.memories[i],
+                     escape(self.observations[i]), [escape(a) for a in info.get("admissible_actions", [])],
+                     self.episodes[i].steps, settings.history_length, settings.format_instruction)
+        if settings.max_prompt_tokens is None:
+            text, pairs = build_prompt(*arguments)
+            return FittedPrompt(text, pairs, 0, 0, 0, False)  # no budget: nothing counted, nothing cut
+        return fit_prompt(*arguments, self.count_tokens, settings.max_prompt_tokens)
+
+    def action(self, i: int, completion: Completion) -> tuple[str | None, bool]:
+        """What episode i's completion sends to its environment (`read_action`)."""
+        admissible = [a.strip().lower() for a in self.infos[i].get("admissible_actions", [])]
+        return read_action(completion.text, self.settings, admissible)
+
+    def sends(self, action: str | None) -> bool:
+        """Whether a step with `action` goes to the environment (under noop an invalid output does too)."""
+        return action is not None or self.settings.invalid_action == "noop"
+
+    def record(self, i: int, fit: FittedPrompt, completion: Completion, action: str | None, malformed: bool,
+               result: StepResult | None) -> None:
+        """Episode i's step: its record, its memory, its totals, and its end when it ended. `result` is None when
+        nothing was sent (an invalid output under end_episode: the episode ends as failed)."""
+        episode, observation, info = self.episodes[i], self.observations[i], self.infos[i]
+        # The game's own rules refused a well-formed action (a TextArena invalid move): an invalid step too.
+        rejected = action is not None and result is not None and bool(result.info.get("invalid_move", False))
+        if result is None:
+            result = StepResult(observation, 0.0, True, False, info)
+        record = StepRecord(group=episode.group, traj=i, step=episode.steps, observation=observation,
+                            prompt=fit.text, completion=completion, action=action, reward=float(result.reward),
+                            shown_history=fit.shown_history, history_cut=fit.history_dropped > 0,
+                            observation_cut=fit.observation_cut, over_budget=fit.over_budget, rejected=rejected,
+                            malformed=malformed, anchor=info.get("anchor"))
+        self.records.append(record)
+        shown = action if action is not None else invalid_tail(completion.text, self.settings.invalid_tail_chars)
+        self.memories[i].add(self.escape(observation), self.escape(shown))
+        episode.steps += 1
+        episode.total_reward += float(result.reward)
+        episode.invalid += not record.valid
+        episode.won = episode.won or bool(result.info.get("won", False))
+        if "score" in result.info:
+            episode.score = float(result.info["score"])
+        self.observations[i], self.infos[i] = result.observation, result.info
+        if result.fault is not None:
+            episode.fault = result.fault
+            self._end(i)
+        elif result.terminated or result.truncated or episode.steps >= self.settings.max_steps:
+            episode.terminated = bool(result.terminated)
+            episode.truncated = not result.terminated
+            self._end(i)
+
+    def _end(self, i: int) -> None:
+        self.done[i] = True
+        if self.on_episode_end is not None:
+            self.on_episode_end(self.episodes[i])
+
+    def rollout(self, generation_seconds: float, turns: int) -> Rollout:
+        """The rollout played: the steps of the episodes no fault aborted, in lock-step's order (by step index,
+        then trajectory: episode i's step t is lock-step's turn t), whatever order they were played in."""
+        faulted = {e.traj for e in self.episodes if e.fault is not None}
+        steps = sorted((r for r in self.records if r.traj not in faulted), key=lambda r: (r.step, r.traj))
+        return Rollout(steps=steps, episodes=self.episodes, generation_seconds=generation_seconds,
+                       env_seconds=self.env_seconds, seconds=time.perf_counter() - self.start, turns=turns)
+
+
 def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: int,
                 policy: Policy | ScriptedPolicy, settings: RolloutSettings, *,
                 keep_going: Callable[[int], bool] | None = None, on_turn: Callable[[int, int], None] | None = None,
@@ -187,97 +290,26 @@ def run_rollout(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: 
     episode as it ends. With `settings.max_prompt_tokens`, every prompt is fitted to it (`memory.fit_prompt`) as
     `count_tokens` counts. `scripted=True` calls `policy(prompts, infos)` (a `ScriptedPolicy`).
     """
-    if settings.max_prompt_tokens is not None and count_tokens is None:
-        raise ValueError("RolloutSettings.max_prompt_tokens needs count_tokens (the policy's prompt token count)")
-    count = len(tasks) * group_size
-    if count > len(envs):
-        raise ValueError(f"need {count} environments for {len(tasks)} tasks x {group_size} rollouts, "
-                         f"got {len(envs)}")
+    play = EpisodeStates(envs, tasks, group_size, settings, count_tokens, on_episode_end)
     keep_going = keep_going or (lambda live: live > 0)
-    start = time.perf_counter()
-    episodes = [Episode(group=i // group_size, traj=i) for i in range(count)]
-    memories = [Memory() for _ in range(count)]
-    tick = time.perf_counter()
-    resets = envs.reset([tasks[i // group_size] for i in range(count)])
-    env_seconds = time.perf_counter() - tick
     generation_seconds = 0.0
-    observations = [r.observation for r in resets]
-    infos = [r.info for r in resets]
-    task_texts = [info.get("task", "") for info in infos]
-    done = [False] * count
-
-    def end(i: int) -> None:
-        done[i] = True
-        if on_episode_end is not None:
-            on_episode_end(episodes[i])
-
-    escape = settings.escape_text or (lambda text: text)
-    for i, result in enumerate(resets):
-        if result.fault is not None:
-            episodes[i].fault = result.fault
-            end(i)
-    records: list[StepRecord] = []
     turn = 0
-    while keep_going(live := done.count(False)):
+    while keep_going(len(active := play.live())):
         if on_turn is not None:
-            on_turn(turn, live)
-        active = [i for i, finished in enumerate(done) if not finished]
-        admissible = {i: [a.strip().lower() for a in infos[i].get("admissible_actions", [])] for i in active}
-        prompts, fitted = [], []
-        for i in active:
-            arguments = (partial(envs.render_prompt, i), escape(task_texts[i]), memories[i], escape(observations[i]),
-                         [escape(a) for a in infos[i].get("admissible_actions", [])], episodes[i].steps,
-                         settings.history_length, settings.format_instruction)
-            if settings.max_prompt_tokens is None:
-                text, pairs = build_prompt(*arguments)
-                fit = FittedPrompt(text, pairs, 0, 0, 0, False)  # no budget: nothing counted, nothing cut
-            else:
-                fit = fit_prompt(*arguments, count_tokens, settings.max_prompt_tokens)
-            prompts.append(fit.text)
-            fitted.append(fit)
+            on_turn(turn, len(active))
+        fitted = [play.prompt(i) for i in active]
+        prompts = [fit.text for fit in fitted]
         tick = time.perf_counter()
-        completions = policy(prompts, [infos[i] for i in active]) if scripted else policy(prompts)
+        completions = policy(prompts, [play.infos[i] for i in active]) if scripted else policy(prompts)
         generation_seconds += time.perf_counter() - tick
         if len(completions) != len(prompts):
             raise RuntimeError(f"the policy returned {len(completions)} completions for {len(prompts)} prompts")
-        actions, malformed = {}, {}
-        for i, completion in zip(active, completions, strict=True):
-            actions[i], malformed[i] = read_action(completion.text, settings, admissible[i])
-        to_step = {i: a for i, a in actions.items() if a is not None or settings.invalid_action == "noop"}
+        actions = {i: play.action(i, completion) for i, completion in zip(active, completions, strict=True)}
+        to_step = {i: action for i, (action, _) in actions.items() if play.sends(action)}
         tick = time.perf_counter()
         results = envs.step(to_step) if to_step else {}
-        env_seconds += time.perf_counter() - tick
+        play.env_seconds += time.perf_counter() - tick
         for i, fit, completion in zip(active, fitted, completions, strict=True):
-            episode, action = episodes[i], actions[i]
-            result = results.get(i)
-            # The game's own rules refused a well-formed action (a TextArena invalid move): an invalid step too.
-            rejected = action is not None and result is not None and bool(result.info.get("invalid_move", False))
-            if result is None:  # an invalid output under end_episode: the episode ends as failed
-                result = StepResult(observations[i], 0.0, True, False, infos[i])
-            records.append(StepRecord(group=episode.group, traj=i, step=episode.steps, observation=observations[i],
-                                      prompt=fit.text, completion=completion, action=action,
-                                      reward=float(result.reward), shown_history=fit.shown_history,
-                                      history_cut=fit.history_dropped > 0, observation_cut=fit.observation_cut,
-                                      over_budget=fit.over_budget, rejected=rejected, malformed=malformed[i],
-                                      anchor=infos[i].get("anchor")))
-            shown = action if action is not None else invalid_tail(completion.text, settings.invalid_tail_chars)
-            memories[i].add(escape(observations[i]), escape(shown))
-            episode.steps += 1
-            episode.total_reward += float(result.reward)
-            episode.invalid += not records[-1].valid
-            episode.won = episode.won or bool(result.info.get("won", False))
-            if "score" in result.info:
-                episode.score = float(result.info["score"])
-            observations[i], infos[i] = result.observation, result.info
-            if result.fault is not None:
-                episode.fault = result.fault
-                end(i)
-            elif result.terminated or result.truncated or episode.steps >= settings.max_steps:
-                episode.terminated = bool(result.terminated)
-                episode.truncated = not result.terminated
-                end(i)
+            play.record(i, fit, completion, *actions[i], results.get(i))
         turn += 1
-    faulted = {e.traj for e in episodes if e.fault is not None}
-    return Rollout(steps=[r for r in records if r.traj not in faulted], episodes=episodes,
-                   generation_seconds=generation_seconds, env_seconds=env_seconds,
-                   seconds=time.perf_counter() - start, turns=turn)
+    return play.rollout(generation_seconds, turn)

@@ -1,0 +1,170 @@
+"""The continuous rollout against the lock-step one: scripted policies on keydoor give the same records, episodes,
+faults and progress calls, whatever the completions' lengths and the environments' latencies."""
+
+import functools
+import importlib.util
+import time
+import zlib
+
+import pytest
+
+from hgpo_trl.continuous import PolicyStream, run_continuous
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.keydoor import KeyDoorEnv
+from hgpo_trl.envs.pool import InProcessEnvs, WorkerPoolEnvs
+from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from tests.test_pool import FaultyEnv, faulty_tasks
+from tests.test_rollout import optimal_action, scripted
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def mixed_answer(prompt: str) -> str:
+    """Deterministic in the prompt: mostly the expert's action in tags, sometimes a wrong key, an output without
+    tags (invalid) or an inadmissible action, so that episodes differ in length and end in every way."""
+    try:
+        action = optimal_action(prompt)
+    except IndexError:  # the window no longer shows the task or the key taken
+        action = "go to hall"
+    draw = zlib.crc32(prompt.encode()) % 7
+    if draw == 0:
+        return "I would rather not say"
+    if draw == 1 and action.startswith("take "):
+        action = "take " + ("blue" if "red" in action else "red") + " key"
+    if draw == 2:
+        action = "dance"
+    return f"<think>t</think><action>{action}</action>"
+
+
+class TimedStream:
+    """A scripted stream whose requests take uneven numbers of engine steps (1 to 4, from the episode and step),
+    as completions of uneven lengths do; it logs the (episode, step) order in which requests were submitted."""
+
+    def __init__(self, answer):
+        self.answer, self.waiting, self.submitted = answer, {}, []
+
+    def submit(self, key, prompt, step):
+        self.waiting[key] = [prompt, 1 + zlib.crc32(f"{key}/{step}".encode()) % 4]
+        self.submitted.append((key, step))
+
+    def finished(self):
+        for request in self.waiting.values():
+            request[1] -= 1
+        done = [(key, Completion(self.answer(prompt))) for key, (prompt, left) in self.waiting.items() if left == 0]
+        for key, _ in done:
+            del self.waiting[key]
+        return done
+
+
+class SlowKeyDoor(KeyDoorEnv):
+    """Keydoor whose steps take 0 to 30 ms, drawn from the step's state (ALFWorld's steps vary so)."""
+
+    def step(self, action):
+        time.sleep(zlib.crc32(f"{self._steps}{action}".encode()) % 4 * 0.01)
+        return super().step(action)
+
+
+def both(envs_factory, tasks, group_size, stream, policy, **settings):
+    """(lock-step, continuous) rollouts of the same tasks, each with its calls to on_turn and on_episode_end."""
+    settings = RolloutSettings(**{"action_mode": "tags", "max_steps": 5, **settings})
+    played = []
+    for run in ("lockstep", "continuous"):
+        turns, ends = [], []
+        options = {"on_turn": lambda t, live, turns=turns: turns.append((t, live)),
+                   "on_episode_end": lambda e, ends=ends: ends.append(e.traj)}
+        with envs_factory() as envs:
+            if run == "lockstep":
+                rollout = run_rollout(envs, tasks, group_size, policy, settings, **options)
+            else:
+                rollout = run_continuous(envs, tasks, group_size, stream, settings, **options)
+        played.append((rollout, turns, sorted(ends)))
+    return played
+
+
+@pytest.mark.parametrize("invalid_action", ["noop", "end_episode", "execute"])
+def test_continuous_and_lockstep_give_the_same_records(invalid_action):
+    tasks = list(make_tasks("keydoor", "train", num_tasks=8))
+    (lockstep, turns, ends), (continuous, continuous_turns, continuous_ends) = both(
+        lambda: InProcessEnvs(functools.partial(make_env, "keydoor"), 16), tasks, 2,
+        PolicyStream(scripted(mixed_answer)), scripted(mixed_answer), invalid_action=invalid_action)
+    assert continuous.steps == lockstep.steps and continuous.episodes == lockstep.episodes
+    assert continuous.turns == lockstep.turns and continuous_ends == ends
+    # As many progress calls; the live count is the one when the first episode starts the turn (lock-step's:
+    # when all have played the one before).
+    assert [t for t, _ in continuous_turns] == [t for t, _ in turns] and continuous_turns[0] == turns[0]
+    episodes = lockstep.episodes  # the cases the records cover: every ending, invalid outputs, max_env_steps
+    assert {e.won for e in episodes} == {True, False} and any(e.invalid for e in episodes)
+    assert any(e.truncated for e in episodes) or invalid_action == "end_episode"
+
+
+def test_uneven_completions_and_environment_latencies_keep_each_episode_in_order():
+    tasks = list(make_tasks("keydoor", "train", num_tasks=8))
+    stream = TimedStream(mixed_answer)
+    (lockstep, _, _), (continuous, _, _) = both(
+        lambda: WorkerPoolEnvs(SlowKeyDoor, 16, num_workers=2), tasks, 2, stream, scripted(mixed_answer))
+    assert continuous.steps == lockstep.steps and continuous.episodes == lockstep.episodes
+    for traj in range(16):  # each episode's steps 0, 1, ... in order, its prompts showing its own history
+        steps = [r for r in continuous.steps if r.traj == traj]
+        assert [r.step for r in steps] == list(range(len(steps)))
+    # Played out of turn: some episode asked for its step t + 1 before another asked for its step t.
+    order = {request: n for n, request in enumerate(stream.submitted)}
+    assert any(order[(a, t + 1)] < order[(b, t)] for (a, t) in order for (b, s) in order if s == t and (a, t + 1) in order)
+
+
+@pytest.mark.slow
+def test_faults_and_a_hang_abort_the_same_episodes_as_in_lockstep():
+    """Worker 0 (environments 0, 1) hangs and times out, environment 2 raises, 3 fails its reset, worker 2 (4, 5)
+    dies: in both modes the same episodes fail with the same faults, and the others' steps are the same."""
+    tasks = faulty_tasks(6, env0=("hang", 2), env2=("raise", 2), env3=("raise", 0), env4=("exit", 3))
+    factory = functools.partial(WorkerPoolEnvs, FaultyEnv, 6, num_workers=3, step_timeout=1.0)
+    (lockstep, _, _), (continuous, _, _) = both(factory, tasks, 1, PolicyStream(scripted(optimal_action)),
+                                                 scripted(optimal_action), action_mode="plain")
+    assert continuous.steps == lockstep.steps and continuous.episodes == lockstep.episodes
+    faults = [e.fault for e in lockstep.episodes]
+    assert faults[:4] == ["timed out after 1.0 s"] * 2 + ["RuntimeError: injected at step 2",
+                                                          "RuntimeError: injected at step 0"]
+    assert faults[4].startswith("worker died") and faults[5] == faults[4]
+
+
+def test_rollout_mode_picks_continuous_where_the_backend_streams_and_refuses_it_where_it_cannot(monkeypatch):
+    # (imported here: the worker processes above import this module, and need no training stack)
+    from hgpo_trl.config import HGPOConfig, check_trainer_inputs
+
+    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: True)  # (the config's checks, not vLLM itself)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: name == "vllm" or find_spec(name, *args))
+    config = functools.partial(HGPOConfig, output_dir="/tmp/unused", report_to="none", use_cpu=True)
+    assert not config().continuous_rollout and config(rollout_mode="continuous").continuous_rollout
+    assert config(use_vllm=True).continuous_rollout  # auto: colocated vLLM streams
+    assert not config(use_vllm=True, rollout_mode="lockstep").continuous_rollout
+    with pytest.raises(ValueError) as err:
+        config(use_vllm=True, vllm_enable_sleep_mode=True, rollout_mode="continuous")
+    assert str(err.value).startswith("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with vllm_mode 'server'")
+    with pytest.raises(ValueError, match=r"^HGPOConfig.rollout_mode must be one of \('auto', 'lockstep', 'continuous'"):
+        config(rollout_mode="async")
+    with pytest.raises(ValueError, match=r"^HGPOConfig.rollout_mode must be 'lockstep' or 'auto' .* ZeRO-3 or FSDP"):
+        check_trainer_inputs(config(rollout_mode="continuous"), False, {"zero_optimization": {"stage": 3}})
+    check_trainer_inputs(config(rollout_mode="continuous"), False, {"zero_optimization": {"stage": 2}})
+
+
+def test_the_trainer_plays_continuously_with_transformers_and_trains_as_in_lockstep(tmp_path, tiny_tokenizer):
+    """rollout_mode continuous through HGPOTrainer with transformers' generate (PolicyStream): with environments
+    in process each generate call holds the live episodes in lock-step's order, so the same seed samples the same
+    rollout and the iteration's metrics and updated weights are lock-step's."""
+    import torch
+
+    from hgpo_trl.tiny import build_tiny_model
+    from tests.test_trainer import make_config, make_trainer
+
+    played = {}
+    for mode in ("lockstep", "continuous"):
+        model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+        trainer = make_trainer(model, tiny_tokenizer, make_config(tmp_path / mode, rollout_mode=mode,
+                                                                  train_iterations=1))
+        assert trainer.args.continuous_rollout == (mode == "continuous")
+        trainer.train()
+        (log,) = [h for h in trainer.state.log_history if "env/success_rate" in h]
+        played[mode] = ({k: log[k] for k in ("env/success_rate", "env/episode_length", "steps/collected", "loss")},
+                        [p.detach().clone() for p in model.parameters()])
+    assert played["continuous"][0] == played["lockstep"][0] and played["lockstep"][0]["steps/collected"] > 8
+    assert all(torch.equal(a, b) for a, b in zip(played["continuous"][1], played["lockstep"][1], strict=True))
