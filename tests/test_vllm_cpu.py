@@ -79,10 +79,24 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_colocated_vllm_trains_with_a_weight_sync_after_each_optimizer_step(runs):
     training = runs["training"]
+    assert training["continuous"]  # rollout_mode auto: colocated vLLM plays continuously (hgpo_trl.continuous)
     assert training["iterations"] == 2 and all(n > 0 for n in training["collected"])
     # One sync per rollout at a new optimizer step: before the first (step 0), before the second (step 1).
     assert training["syncs"] == [0, 1] and training["global_step"] == 2
     assert training["eval_tasks"] == 2.0
+
+
+@pytest.mark.slow
+def test_a_seed_per_request_makes_a_vllm_sample_independent_of_its_batch(runs):
+    """vLLM's CPU build, bfloat16: 6 prompts sampled at temperature 1 alone and then together, each with its own
+    seed, give the same 12 tokens and log-probabilities (0.0 apart here); greedy keydoor rollouts of 8 tasks,
+    lock-step and continuous on the same synced engine, give the same 40 steps (prompt, completion ids, action,
+    reward) with log-probabilities 0.0 apart."""
+    streams = runs["training"]["streams"]
+    assert streams["seeded_same_tokens"] == streams["seeded_prompts"] == 6 and streams["seeded_logprob_gap"] < 1e-6
+    lockstep_steps, continuous_steps = streams["greedy_steps"]
+    assert lockstep_steps == continuous_steps == streams["greedy_same_steps"] > 8
+    assert streams["greedy_logprob_gap"] < 1e-6
 
 
 @pytest.mark.slow

@@ -2,8 +2,10 @@
 vLLM takes ~40 s to import and changes its process (RANK, WORLD_SIZE and MASTER_PORT set, torch.distributed set
 up), so it runs beside pytest, not in it. On one tiny model of head size 32 (vLLM's CPU attention has no smaller
 one), it plays greedy evaluations with vLLM and with transformers (hgpo-eval's command line, evaluate_model),
-trains HGPO with colocated vLLM, then probes the weight sync: vLLM's greedy completions and log-probabilities
-against the trainer model's, before and after a sync. Writes results.json in the folder it is given.
+trains HGPO with colocated vLLM (continuous rollouts: rollout_mode auto), then probes the weight sync: vLLM's
+greedy completions and log-probabilities against the trainer model's, before and after a sync; and the streamed
+requests: seeded samples alone and batched, greedy rollouts lock-step and continuous. Writes results.json in the
+folder it is given.
 
     python tests/vllm_cpu_runs.py OUT
 """
@@ -12,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,7 +22,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from hgpo_trl import evaluate, generation
 from hgpo_trl.config import HGPOConfig
+from hgpo_trl.continuous import run_continuous
 from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.pool import InProcessEnvs
 from hgpo_trl.generation import (
     ModelPolicy,
     generate_completions,
@@ -28,9 +33,11 @@ from hgpo_trl.generation import (
     trainer_generator,
 )
 from hgpo_trl.players import load_tokenizer
+from hgpo_trl.rollout import run_rollout
 from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
 from hgpo_trl.trainer import HGPOTrainer
 from hgpo_trl.trajectories import read_records
+from hgpo_trl.vllm_stream import VLLMStream
 from hgpo_trl.warmstart import warm_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -119,6 +126,51 @@ def sync_probe(trainer: HGPOTrainer) -> dict:
             "stale_ids": [list(ids) for ids in stale_ids]}
 
 
+def seeded_samples(trainer: HGPOTrainer, prompt_ids: list[list[int]], batches: list[list[int]]) -> dict:
+    """Completions at temperature 1 of the prompts, each batch of indices submitted together to a `VLLMStream` whose
+    rollout seed is the same (so request i has the same seed in every batch)."""
+    completions = {}
+    for batch in batches:
+        torch.manual_seed(7)  # (the stream draws its rollout seed from torch's stream)
+        stream = VLLMStream(trainer.vllm_generation, 1.0, lambda text: prompt_ids[int(text)], trainer._tokenizer.decode)
+        for i in batch:
+            stream.submit(i, str(i), 0)
+        done = {}
+        while len(done) < len(batch):
+            done.update(stream.finished())
+        completions.update(done)
+    return completions
+
+
+def stream_probe(trainer: HGPOTrainer) -> dict:
+    """What a seed per request buys: each probe prompt sampled alone and then in one batch with the others (same
+    seeds), the tokens and log-probabilities compared; and greedy keydoor rollouts, lock-step and continuous, on
+    the synced engine, step by step."""
+    policy = ModelPolicy(trainer._tokenizer, None)
+    prompt_ids = [policy.encode(text) for text in probe_prompts()]
+    alone = seeded_samples(trainer, prompt_ids, [[i] for i in range(len(prompt_ids))])
+    together = seeded_samples(trainer, prompt_ids, [list(range(len(prompt_ids)))])
+    same = [alone[i].completion_ids == together[i].completion_ids for i in range(len(prompt_ids))]
+    gap = largest_gap([alone[i].logprobs for i in range(len(same)) if same[i]],
+                      [together[i].logprobs for i in range(len(same)) if same[i]])
+    tasks, settings = list(make_tasks("keydoor", "train", num_tasks=8)), trainer.rollout_settings
+    with trainer_generator(trainer, 0.0) as generate:
+        player = ModelPolicy(trainer._tokenizer, generate)
+        envs = InProcessEnvs(partial(make_env, "keydoor", max_steps=5), len(tasks))
+        lockstep = run_rollout(envs, tasks, 1, player, settings, count_tokens=player.count_tokens)
+        stream = VLLMStream(trainer.vllm_generation, 0.0, lambda text: player.prompt_ids([text])[0],
+                            partial(trainer._tokenizer.decode, skip_special_tokens=True))
+        continuous = run_continuous(envs, tasks, 1, stream, settings, count_tokens=player.count_tokens)
+    steps = list(zip(lockstep.steps, continuous.steps, strict=False))  # (games may part)
+    return {"seeded_same_tokens": sum(same), "seeded_prompts": len(same), "seeded_logprob_gap": gap,
+            "greedy_steps": [len(lockstep.steps), len(continuous.steps)],
+            "greedy_same_steps": sum((a.traj, a.step, a.prompt, a.completion.completion_ids, a.action, a.reward)
+                                     == (b.traj, b.step, b.prompt, b.completion.completion_ids, b.action, b.reward)
+                                     for a, b in steps),
+            "greedy_logprob_gap": largest_gap([a.completion.logprobs for a, _ in steps],
+                                              [b.completion.logprobs for _, b in steps])}
+
+
 def training(path: Path, out: Path) -> dict:
     """Two HGPO iterations with colocated vLLM, counting the weight syncs, then the probe and an evaluation."""
     args = HGPOConfig(output_dir=str(out / "run"), per_device_train_batch_size=16, num_generations=4,
@@ -134,13 +186,15 @@ def training(path: Path, out: Path) -> dict:
 
     generation.sync_weights = counted
     trainer.train()
-    trained = {"syncs": list(syncs), "global_step": trainer.state.global_step}
+    trained = {"syncs": list(syncs), "global_step": trainer.state.global_step,
+               "continuous": trainer.args.continuous_rollout}
     probe = sync_probe(trainer)
+    streams = stream_probe(trainer)
     evaluated = trainer.evaluate()
     generation.sync_weights = sync
     logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
     return {**trained, "iterations": len(logs), "collected": [h["steps/collected"] for h in logs],
-            "eval_tasks": evaluated["eval_tasks"], "probe": probe}
+            "eval_tasks": evaluated["eval_tasks"], "probe": probe, "streams": streams}
 
 
 def serve(path: Path, out: Path) -> tuple[subprocess.Popen, int]:
