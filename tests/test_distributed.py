@@ -113,8 +113,13 @@ def test_balanced_steps_train_every_row_once_in_mini_batches_of_the_configured_s
     released (karmarkar_karp; greedy differs in the split alone, tests/test_balance.py): over both processes every
     row reaches the loss exactly once, none twice, none dropped; each optimizer step trains exactly
     mini_batch_size = 8 rows in all (an iteration's last aside); both run as many micro-batches and take fewer
-    optimizer steps than unbalanced rows would need; both log the same global_seqlen/*."""
-    ranks = launch("ddp", tmp_path, free_port, "batching=all_steps", "balance=karmarkar_karp", "uneven=1")
+    optimizer steps than unbalanced rows would need; both log the same global_seqlen/*. The rollouts are continuous
+    (transformers, no ZeRO-3): each process plays its own turns, process 1 one a rollout where process 0 plays up
+    to 5, with no collective per turn, and neither waits for the other inside a rollout."""
+    ranks = launch("ddp", tmp_path, free_port, "batching=all_steps", "balance=karmarkar_karp", "uneven=1",
+                   "rollout=continuous")
+    assert [rank["continuous"] for rank in ranks] == [True, True]
+    assert set(ranks[1]["turns"][:2]) == {1} and max(ranks[0]["turns"][:2]) > 1  # (the 2 training rollouts)
     estimated = [[len(values) for values in rank["estimated"]] for rank in ranks]
     assert all(n0 >= 3 * n1 for n0, n1 in zip(*estimated, strict=True))  # deliberately unequal
     assert sorted(a for rank in ranks for call in rank["seen"] for a in call) == \

@@ -5,6 +5,9 @@ balance=PARTITION: balance_steps (rows shared out over the processes) with that 
 first step, process 0's run to the step limit (invalid outputs are no-ops): the processes collect very different
 numbers of steps.
 
+rollout=MODE: rollout_mode (default auto: lock-step with transformers); each process writes the turns of each
+rollout it played.
+
 warmstart=STEPS: train.py's order: the config, then a supervised warm start of STEPS steps, then the trainer;
 each process also writes the checksums of the model before and after the warm start. model=folder: the tiny
 model saved to a folder and loaded by train.py's loader (hgpo_trl.cli.load_model), as a hub model is.
@@ -143,6 +146,7 @@ def main(out: str, extra: list[str]) -> None:
                       logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
                       disable_tqdm=True, beta=float(options.get("beta", 0.0)),
                       gradient_checkpointing=options.get("gc") == "1", ddp_timeout=60,
+                      rollout_mode=options.get("rollout", "auto"),
                       **{"invalid_action": "end_episode", **batching})
     warm = {}
     if "warmstart" in options:
@@ -172,12 +176,14 @@ def main(out: str, extra: list[str]) -> None:
                           env_factory=FirstResetFails if options.get("fault") == "envs" else
                           EndsAtOnceOnRank1 if options.get("uneven") == "1" else
                           DroppedOnRank0KeptOnRank1 if options.get("dynamic") == "1" else None)
-    played = []
+    played, turns = [], []
     original = trainer._play
 
     def recording_play(tasks, group_size, temperature, *args):
         played.append([int(t["task_id"]) for t in tasks])
-        return original(tasks, group_size, temperature, *args)
+        rollout = original(tasks, group_size, temperature, *args)
+        turns.append(rollout.turns)
+        return rollout
 
     trainer._play = recording_play
     seen = []
@@ -213,7 +219,8 @@ def main(out: str, extra: list[str]) -> None:
         json.dump({"rank": rank, "world": trainer.accelerator.num_processes, "played": played,
                    "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum_now,
                    "global_step": trainer.state.global_step, "estimated": ESTIMATED, "seen": seen,
-                   "deepspeed": trainer.is_deepspeed_enabled, "warmstart": warm}, f)
+                   "deepspeed": trainer.is_deepspeed_enabled, "warmstart": warm, "turns": turns,
+                   "continuous": trainer.args.continuous_rollout}, f)
     finish()
 
 
