@@ -150,6 +150,9 @@ def expected(env: str, size: str, method: str) -> dict:
     # What the model sees: env_package/{alfworld,webshop}/projection.py reads every output, a penalised one's
     # action is still carried out.
     fields["invalid_action"] = "execute"
+    # agent_system/multi_turn_rollout: each turn generates every live episode's prompt in one call, then steps
+    # every environment (a continuous rollout plays the same records, its samples drawn per request).
+    fields["rollout_mode"] = "lockstep"
     # adjust_batch fills the batch to a multiple of lcm(rollout and ref log-prob micro, actor micro) x GPUs;
     # fill_multiple is set where that is not per_device_train_batch_size x processes, its default.
     gpus = int(released["trainer.n_gpus_per_node"])

@@ -290,7 +290,9 @@ def gpu_seconds_bound(shape: ModelShape, load: IterationLoad, gpus: int, tflops:
                       gradient_checkpointing: bool = True) -> float:
     """A lower bound on the GPU time of an iteration of `load`: ~2 x N FLOPs a generated, prefilled or scored
     token, 6 x N a trained one (8 x N with checkpointing's recomputed forward), at `tflops` sustained per GPU. A
-    bound, not a forecast: decoding is memory-bound, environments and the weight sync to vLLM come on top."""
+    bound, not a forecast: decoding is memory-bound, environments and the weight sync to vLLM come on top (the
+    part of it a continuous rollout saves: environments hidden behind generation, no wait for a turn's longest
+    completion; docs/trainer.md)."""
     n = shape.parameters
     flops = 2 * n * (load.generated_tokens + load.prompt_tokens + load.scored_tokens) \
         + (8 if gradient_checkpointing else 6) * n * load.trained_tokens
