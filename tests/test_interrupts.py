@@ -21,7 +21,7 @@ def signal_during(monkeypatch, iteration: int, number: int = signal.SIGINT) -> l
     play = HGPOTrainer._play
 
     def playing(self, tasks, group_size, temperature, description="rollout"):
-        if description == "rollout":  # (a training rollout, not an evaluation chunk)
+        if description.endswith("rollout"):  # (a training rollout, "iteration N rollout"; not an evaluation chunk)
             started.append(self._iteration + 1)
             if started[-1] == iteration and started.count(iteration) == 1:
                 os.kill(os.getpid(), number)
@@ -70,7 +70,7 @@ def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd,
     play = HGPOTrainer._play
 
     def playing(self, tasks, group_size, temperature, description="rollout"):
-        if description == "rollout":  # (a training rollout, not an evaluation chunk)
+        if description.endswith("rollout"):  # (a training rollout, "iteration N rollout"; not an evaluation chunk)
             started.append(self._iteration + 1)
             if len(started) == 2:
                 os.kill(os.getpid(), number)
