@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -18,7 +18,7 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rehearsal.launch import MARK
 from hgpo_trl.rehearsal.plan import HUNG, START_SECONDS, STEP_SECONDS, launch_expected, rollout_steps
 
-ITERATION_LINE = re.compile(r"^\[iter\s+\d+\].*$", re.MULTILINE)
+ITERATION_LINE = re.compile(r"\[iter\s+\d+\]")
 READ_SECONDS = 2.0  # how often a launch's log is read for new [iter] lines
 
 
@@ -48,7 +48,9 @@ class LaunchWatch:
     expected: float  # seconds the plan expects
     processes: int
     then: str = ""  # what the plan has to do after this launch
-    printed: set[str] = field(default_factory=set)  # the [iter] lines said
+    done: int = 0  # the [iter] lines said
+    read: int = 0  # the log's bytes read so far, whole lines (a launch's log grows for minutes: read once)
+    last_logged: str = ""  # the log's last non-empty line so far
     last_line: float = 0.0
     last_read: float = -1.0
 
@@ -57,18 +59,29 @@ class LaunchWatch:
         if elapsed - self.last_read < READ_SECONDS:  # (the process table is read for each status line alone)
             return
         self.last_read = elapsed
-        text = log.read_text(errors="replace") if log.is_file() else ""
-        for line in ITERATION_LINE.findall(text):
-            if line not in self.printed:
-                self.printed.add(line)
+        for line in self.new_lines(log):
+            if ITERATION_LINE.match(line):
+                self.done += 1
                 print(f"rehearsal: {self.name}, {elapsed:,.0f} s: {line.strip()}", flush=True)
+            self.last_logged = line.strip() or self.last_logged
         if elapsed - self.last_line >= progress.LINE_SECONDS:
             self.last_line = elapsed
-            last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+            last = self.last_logged
             ends = f'; its log ends: "{last[:100]}"' if last else "; its log is empty yet"
             print(f"rehearsal: {self.name} at {elapsed:,.0f} s of ~{self.expected:,.0f} s expected: "
-                  f"{ranks_up(mark)}/{self.processes} ranks up, {len(self.printed)}/{self.iterations} iterations "
+                  f"{ranks_up(mark)}/{self.processes} ranks up, {self.done}/{self.iterations} iterations "
                   f"done{'; then ' + self.then if self.then else ''}{ends}", flush=True)
+
+    def new_lines(self, log: Path) -> list[str]:
+        """The whole lines `log` got since the last call (a line still being written waits for the next)."""
+        if not log.is_file():
+            return []
+        with log.open("rb") as f:
+            f.seek(self.read)
+            new = f.read()
+        whole = new[: new.rfind(b"\n") + 1]
+        self.read += len(whole)
+        return whole.decode(errors="replace").splitlines()
 
 
 def ranks_up(mark: str) -> int:
