@@ -37,8 +37,8 @@ SOURCE_ONLY := fast-downward-textworld==20.6.4 jericho==3.3.1
 $(VENV)/.installed-%: pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "hgpo-trl needs Python >= 3.11, found " + sys.version'
 	@if echo "$*" | grep -Eq "alfworld|deepspeed"; then $(MAKE) --no-print-directory system-deps; fi
-	@if echo "$*" | grep -q alfworld; then $(MAKE) --no-print-directory source-wheels; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if echo "$*" | grep -q alfworld; then $(MAKE) --no-print-directory source-wheels; fi
 	test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet "$(UV)"
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/uv pip install --quiet --python $(BIN)/python $(UV_FIND_LINKS) \
 		$$(test -d $(WHEELHOUSE) && echo --find-links $(WHEELHOUSE)) "$(TORCH)" -e ".[$*]"
@@ -80,8 +80,10 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VENV)/.installed-$(TEST_EXTRAS)
 	mkdir -p $(VLLM_VENV) && touch $@
 
 # Each of SOURCE_ONLY missing from WHEELHOUSE built into it (a scratch folder first: two set-ups at once never read
-# half a wheel). pip builds it: uv has no command that builds a wheel of a named package.
+# half a wheel). pip builds it, the venv's (made first where there is none yet: a new machine has neither the venv
+# nor the wheels): uv has no command that builds a wheel of a named package.
 source-wheels:
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@mkdir -p $(WHEELHOUSE)
 	@for requirement in $(SOURCE_ONLY); do \
 		name=$$(echo $${requirement%%==*} | tr - _); version=$${requirement##*==}; \

@@ -142,3 +142,38 @@ touch "$7/$name-${{8##*==}}-py3-none-any.whl"
     commands = subprocess.run(["make", "-n", "-B", "install", "EXTRAS=alfworld", f"WHEELHOUSE={wheels}"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
     assert f"echo --find-links {wheels})" in commands
+
+
+def test_set_up_from_nothing_creates_the_venv_before_it_builds_the_source_wheels(tmp_path):
+    """Issue 53: a machine with no venv and an empty WHEELHOUSE walks the whole set-up rule in order: the venv, the
+    wheels of SOURCE_ONLY (built with the venv's python), uv, the install that finds them. Every command is a
+    stand-in that records its call (the real ones take minutes); the old Makefile built the wheels with a venv it
+    had not made yet ('.venv/bin/python: not found')."""
+    venv, wheels, calls = tmp_path / "venv", tmp_path / "wheels", tmp_path / "calls"
+    venv_python = tmp_path / "venv_python"
+    venv_python.write_text(f"""#!/bin/sh
+# the venv's python: `-m pip wheel --quiet --no-deps -w FOLDER NAME==VERSION` writes an empty wheel,
+# `-m pip install --quiet uv` a uv that records its call
+echo "venv-python $*" >> {calls}
+if [ "$3" = wheel ]; then touch "$7/$(echo "${{8%%==*}}" | tr - _)-${{8##*==}}-py3-none-any.whl"; fi
+if [ "$3" = install ]; then printf '#!/bin/sh\\necho "uv $*" >> {calls}\\n' > {venv}/bin/uv; chmod +x {venv}/bin/uv; fi
+""")
+    python = tmp_path / "python"
+    python.write_text(f"""#!/bin/sh
+# the machine's python: `-m venv DIR` makes a venv of stand-ins, anything else is the real interpreter
+if [ "$1" = -m ] && [ "$2" = venv ]; then
+    echo "python -m venv $3" >> {calls}; mkdir -p "$3/bin"; cp {venv_python} "$3/bin/python"; exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    for script in (python, venv_python):
+        script.chmod(0o755)
+    done = subprocess.run(["make", "--no-print-directory", f"{venv}/.installed-alfworld", f"VENV={venv}",
+                           f"PYTHON={python}", f"WHEELHOUSE={wheels}"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [line.split()[:4] for line in calls.read_text().splitlines()]
+    assert steps == [["python", "-m", "venv", str(venv)],
+                     ["venv-python", "-m", "pip", "wheel"], ["venv-python", "-m", "pip", "wheel"],
+                     ["venv-python", "-m", "pip", "install"], ["uv", "pip", "install", "--quiet"]], steps
+    assert f"--find-links {wheels}" in calls.read_text().splitlines()[-1]
+    assert len(list(wheels.glob("*.whl"))) == 2 and (venv / ".installed-alfworld").exists()
