@@ -162,7 +162,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 # The GPU check's packages as wheels for the GPU machine (Python 3.12, x86-64: it has torch, transformers, accelerate,
-# peft, pyarrow, pandas and tensorboard, not these), in .whl/, with hgpo-trl's own wheel: README "GPU check".
+# peft, pyarrow, pandas and tensorboard, not these), in .whl/, with hgpo-trl's own wheel: docs/gpu.md, "GPU check".
 GPU_PACKAGES := trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 bm25s==0.3.16 PyStemmer==3.1.0
 gpu-wheels: $(VENV)/.installed-$(TEST_EXTRAS)
 	rm -rf .whl && mkdir -p .whl

@@ -6,7 +6,8 @@
     python evaluate.py --help
 """
 
-from hgpo_trl.entry_points import evaluate as main  # --help answers before the training stack is imported
+# --help answers before the training stack is imported
+from hgpo_trl.commands.entry_points import evaluate as main
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,8 @@
     python train.py --help
 """
 
-from hgpo_trl.entry_points import train as main  # --help answers before the training stack is imported
+# --help answers before the training stack is imported
+from hgpo_trl.commands.entry_points import train as main
 
 if __name__ == "__main__":
     main()

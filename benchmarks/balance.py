@@ -15,7 +15,7 @@ its row exchange costs.
    processes' token spread (global_seqlen/balanced_max - balanced_min), how alike the two partitions' optimizer
    steps are (the Jaccard index of each step's rows over all processes), and the milliseconds a split takes.
 3. Launches 2 CPU processes (`accelerate launch`) that exchange `--rows` rows each, ALFWorld-sized (1,300 prompt
-   and 100 completion tokens), through `hgpo_trl.balance.balanced_rows`, and prints the seconds it takes.
+   and 100 completion tokens), through `hgpo_trl.training.balance.balanced_rows`, and prints the seconds it takes.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ def play(num_tasks: int, seed: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
 
     from transformers import AutoTokenizer
 
-    from hgpo_trl.actions import format_action
     from hgpo_trl.envs import make_env, make_tasks
     from hgpo_trl.envs.pool import WorkerPoolEnvs
-    from hgpo_trl.generation import encode_prompt
-    from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+    from hgpo_trl.rollout.actions import format_action
+    from hgpo_trl.rollout.generation import encode_prompt
+    from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 
     data = os.environ.get("ALFWORLD_DATA") or str(ROOT.parent / "shared" / "data" / "alfworld")
     tasks = make_tasks("alfworld", "train", data_path=data)
@@ -120,7 +120,7 @@ def counts_report(lengths: np.ndarray, resamples: int) -> None:
 
 
 def partition_report(group_rows: list[np.ndarray], resamples: int) -> None:
-    from hgpo_trl.balance import PARTITIONS, fill_rows, token_spread
+    from hgpo_trl.training.balance import PARTITIONS, fill_rows, token_spread
 
     rng = np.random.default_rng(0)
     for name, config in CONFIGS.items():
@@ -153,8 +153,8 @@ def exchange_worker(rows: int, repeats: int) -> None:
     """One process of the 2-process exchange timing (run under accelerate launch)."""
     from accelerate import PartialState
 
-    from hgpo_trl.balance import balanced_rows
-    from hgpo_trl.rollout import Completion, StepRecord
+    from hgpo_trl.rollout.lockstep import Completion, StepRecord
+    from hgpo_trl.training.balance import balanced_rows
 
     state = PartialState(cpu=True)  # the launch says use_cpu; a bare PartialState would not know it
     rng = np.random.default_rng(state.process_index)

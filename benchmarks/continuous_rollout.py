@@ -79,9 +79,9 @@ def keydoor_paced(options, folder: str):
     """(trainer, tasks, None, what was played): the vLLM recipe (module doc)."""
     from hgpo_trl.config import HGPOConfig
     from hgpo_trl.envs import make_env, make_tasks
-    from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+    from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+    from hgpo_trl.models.warmstart import environment_corpus, warm_start
     from hgpo_trl.trainer import HGPOTrainer
-    from hgpo_trl.warmstart import environment_corpus, warm_start
 
     options.tasks, options.group = options.tasks or 16, options.group or 4
     options.steps, options.workers = options.steps or 8, options.workers or 16
@@ -104,7 +104,7 @@ def keydoor_paced(options, folder: str):
 def counted_generate_calls() -> list[int]:
     """The prompts of each transformers generate call, appended as the calls run: PolicyStream's polls split
     what lock-step generates in one call per turn into more, smaller calls."""
-    from hgpo_trl import generation
+    from hgpo_trl.rollout import generation
 
     sizes, generate = [], generation.generate_completions
 
@@ -119,8 +119,8 @@ def counted_generate_calls() -> list[int]:
 def alfworld_tiny_cpu(options, folder: str):
     """(trainer, tasks, generate calls, what was played): configs/alfworld/tiny_cpu.yaml, its model built and warm-started by
     train.py's own functions; the command line's --tasks, --group, --steps and --workers override the recipe's."""
-    from hgpo_trl.arguments import parse
-    from hgpo_trl.cli import load_model, load_tasks, run_warm_start
+    from hgpo_trl.commands.arguments import parse
+    from hgpo_trl.commands.train import load_model, load_tasks, run_warm_start
     from hgpo_trl.trainer import HGPOTrainer
 
     overrides = {"tasks_per_device": options.tasks, "num_generations": options.group,

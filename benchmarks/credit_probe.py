@@ -48,10 +48,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from hgpo_trl.advantages.groups import normalize_within
-from hgpo_trl.cli import ConfigError, load_tasks, parse
+from hgpo_trl.commands.train import ConfigError, load_tasks, parse
 from hgpo_trl.envs.keydoor import KeyDoorEnv, KeyDoorTask
-from hgpo_trl.generation import encode_prompt, generate_completions
-from hgpo_trl.memory import Memory, build_prompt
+from hgpo_trl.rollout.generation import encode_prompt, generate_completions
+from hgpo_trl.rollout.memory import Memory, build_prompt
 
 STEP_NAMES = ("entrance", "room", "hall", "vault")
 TRAINED = {"entrance": ("entrance",), "decisions": ("entrance", "vault"), "all": STEP_NAMES}

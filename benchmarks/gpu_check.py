@@ -10,7 +10,7 @@ weights never emit <|im_end|>, so every completion runs to --completion-tokens a
 Prints per backend: generation tokens/s, the iteration's time split, peak GPU memory beside what the rehearsal's
 projection (hgpo_trl.rehearsal.projection, docs/rehearsal.md) says for this run, the loss (must be finite),
 and with vLLM the mean importance ratio between vLLM's and the trainer's log-probabilities (near 1 when the
-weights are synced). Without CUDA it says so and exits 0. README's "GPU check" says how to bring the packages.
+weights are synced). Without CUDA it says so and exits 0. docs/gpu.md's "GPU check" says how to bring the packages.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU here: skipped (it runs on a GPU machine; see README, GPU check)")
+        print("gpu_check: no CUDA GPU here: skipped (it runs on a GPU machine; see docs/gpu.md, GPU check)")
         return 0
     from transformers import AutoTokenizer
 

@@ -1,6 +1,6 @@
 """How long the commands take to answer before any training: each command's `--help` (our sections; no torch,
 Transformers or TRL trainer imported), `--help-all` (every field: the whole parser, as `--help` was before it was
-split) and a config file the parser refuses (a misspelt key, a word for a number: `hgpo_trl.quick_check`, before the
+split) and a config file the parser refuses (a misspelt key, a word for a number: `hgpo_trl.commands.quick_check`, before the
 training stack is imported), in fresh processes.
 
     python benchmarks/help.py [--runs 5]

@@ -6,7 +6,7 @@
     python benchmarks/learning.py --resume                 # after an interruption: only the missing runs
     python benchmarks/learning.py --resume --update-results   # the table and plot into docs/results.md
 
-Each run is train.py's own path (hgpo_trl.cli: parse, load_tasks, load_model, HGPOTrainer) on `--config`. Any
+Each run is train.py's own path (hgpo_trl.commands.train: parse, load_tasks, load_model, HGPOTrainer) on `--config`. Any
 option this script does not know (e.g. `--num_eval_tasks 32 --learning_rate 3e-4`) overrides the config as on
 train.py's command line; the estimator fields, `seed` and `train_iterations` are set per run here.
 
@@ -52,9 +52,9 @@ import torch
 from transformers import PrinterCallback, ProgressCallback
 from trl import get_peft_config
 
-from hgpo_trl.cli import ConfigError, load_model, load_tasks, parse, run_warm_start
-from hgpo_trl.reporting import IterationLine
-from hgpo_trl.tiny import save_tiny
+from hgpo_trl.commands.train import ConfigError, load_model, load_tasks, parse, run_warm_start
+from hgpo_trl.models.tiny import save_tiny
+from hgpo_trl.training.reporting import IterationLine
 
 # Every field an estimator needs is set explicitly, so a label means the same thing whatever the config says;
 # alpha, gamma, base_group, omega and progpo_lambda come from the config. K=4 with the quickstart's
@@ -97,7 +97,7 @@ def weights_sha256(model) -> str:
 
 
 def build_warm_start(settings: dict[str, Any], seed: int, folder: Path) -> dict[str, Any]:
-    """The model and the warm start of hgpo_trl.cli.run for this seed, saved to `folder` for every estimator."""
+    """The model and the warm start of hgpo_trl.commands.train.run for this seed, saved to `folder` for every estimator."""
     env_args, args, model_args = parse(config_argv(settings, folder, seed))
     tick = time.time()
     train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)

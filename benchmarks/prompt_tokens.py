@@ -29,8 +29,8 @@ from transformers import AutoTokenizer
 
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import make_env_batch
-from hgpo_trl.generation import control_text_guard, encode_prompt
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.generation import control_text_guard, encode_prompt
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 

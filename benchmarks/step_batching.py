@@ -27,7 +27,7 @@ import numpy as np
 
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_tasks
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from hgpo_trl.trainer import HGPOTrainer
 from tests.conftest import keydoor_corpus
 

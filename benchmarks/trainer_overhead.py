@@ -43,7 +43,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_tasks
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from hgpo_trl.trainer import HGPOTrainer
 from tests.conftest import keydoor_corpus
 

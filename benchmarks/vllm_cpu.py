@@ -24,14 +24,14 @@ if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run
 
 from trl import ModelConfig
 
+from hgpo_trl.commands.players import hf_generator, vllm_generator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import make_env_batch
-from hgpo_trl.generation import ModelPolicy, generation_settings
-from hgpo_trl.players import hf_generator, vllm_generator
-from hgpo_trl.rollout import run_rollout
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
-from hgpo_trl.warmstart import environment_corpus, warm_start
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.models.warmstart import environment_corpus, warm_start
+from hgpo_trl.rollout.generation import ModelPolicy, generation_settings
+from hgpo_trl.rollout.lockstep import run_rollout
 
 
 def rollout_rate(generate, tokenizer, args: HGPOConfig, model_config, tasks, group: int, repeats: int):

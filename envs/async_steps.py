@@ -1,4 +1,4 @@
-"""Environments stepped one at a time without waiting: the continuous rollout (`hgpo_trl.continuous`) sends an
+"""Environments stepped one at a time without waiting: the continuous rollout (`hgpo_trl.rollout.continuous`) sends an
 episode's action as soon as its completion is read and collects the result whenever it is there, so that worker
 processes step environments while the engine generates.
 

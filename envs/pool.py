@@ -187,7 +187,7 @@ def _serve(conn: multiprocessing.connection.Connection, factory: Callable[[], Te
            indices: Sequence[int]) -> None:
     """A worker's loop: (command, [(index, argument)]) in, [StepResult] out; None or a closed pipe ends it."""
     # Ctrl-C reaches the whole process group, a scheduler's SIGTERM every process of the job: the main process
-    # decides when the workers stop (it finishes its iteration first: hgpo_trl.interrupts).
+    # decides when the workers stop (it finishes its iteration first: hgpo_trl.training.interrupts).
     # A handler that does nothing, not SIG_IGN: the processes an environment starts would inherit SIG_IGN (and
     # then never stop on their own terminate()); a handler resets to the default in them.
     for number in (signal.SIGINT, signal.SIGTERM):

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hgpo_trl.actions import INVALID_TAIL_CHARS
 from hgpo_trl.envs.base import EnvFactory, TaskFactory, TextEnv
 
 if TYPE_CHECKING:  # imported where tasks are built: environment workers never load it (4 s)
@@ -19,14 +18,14 @@ class EnvSpec:
     tasks: TaskFactory | None = None
     fast: bool = False  # steps in microseconds: stays in the training process, no worker pool
     prompt_has_format: bool = False  # its prompts already say how to answer (<think>/<action>)
-    invalid_tail_chars: int = INVALID_TAIL_CHARS  # what an output with no action block becomes: its last characters (as released)
+    invalid_tail_chars: int | None = None  # an output with no action block becomes its last N characters (None: the rollout's default, as released)
 
 
 _REGISTRY: dict[str, EnvSpec] = {}
 
 
 def register_env(name: str, factory: EnvFactory, tasks: TaskFactory | None = None, *, fast: bool = False,
-                 prompt_has_format: bool = False, invalid_tail_chars: int = INVALID_TAIL_CHARS, overwrite: bool = False) -> None:
+                 prompt_has_format: bool = False, invalid_tail_chars: int | None = None, overwrite: bool = False) -> None:
     """Register `factory(**kwargs) -> TextEnv` (and optionally `tasks(split, **kwargs) -> Dataset`) as `name`.
     `fast=True` marks an environment cheap enough to step in the training process (no worker pool);
     `prompt_has_format=True` one whose template already tells the model how to answer (the trainer then adds
@@ -36,7 +35,7 @@ def register_env(name: str, factory: EnvFactory, tasks: TaskFactory | None = Non
         raise ValueError(f"environment {name!r}: factory must be callable, got {type(factory).__name__}")
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"environment {name!r} is already registered (pass overwrite=True to replace it)")
-    if not isinstance(invalid_tail_chars, int) or invalid_tail_chars < 0:
+    if invalid_tail_chars is not None and (not isinstance(invalid_tail_chars, int) or invalid_tail_chars < 0):
         raise ValueError(f"environment {name!r}: invalid_tail_chars must be an integer >= 0 (0: show nothing), "
                          f"got {invalid_tail_chars!r}")
     _REGISTRY[name] = EnvSpec(factory, tasks, fast, prompt_has_format, invalid_tail_chars)
@@ -61,8 +60,8 @@ def prompt_has_format(name: str) -> bool:
     return _REGISTRY[name].prompt_has_format if name in _REGISTRY else False
 
 
-def invalid_tail_chars(name: str) -> int:
-    return _REGISTRY[name].invalid_tail_chars if name in _REGISTRY else INVALID_TAIL_CHARS
+def invalid_tail_chars(name: str) -> int | None:
+    return _REGISTRY[name].invalid_tail_chars if name in _REGISTRY else None
 
 
 def make_env(name: str, **kwargs) -> TextEnv:

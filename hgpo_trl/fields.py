@@ -173,7 +173,7 @@ class HGPOFields:
         default=0, metadata={"help": "Every this many iterations, and at every evaluation, write each step (task, "
                                      "prompt, output, action, reward, return, advantage, HGPO groups and level "
                                      "weights) to output_dir/trajectories/*.jsonl (python -m "
-                                     "hgpo_trl.trajectories reads them), and at the end draw the run's newest in "
+                                     "hgpo_trl.evaluation.trajectories reads them), and at the end draw the run's newest in "
                                      "output_dir/trajectories.html (hgpo-view); 0: never."})
 
     # Evaluation

@@ -1,9 +1,9 @@
 """`HGPOTrainer`: TRL's `GRPOTrainer` trained on per-step samples of multi-turn environment rollouts.
 
-One iteration: each process plays its `tasks_per_device` tasks `num_generations` times (`hgpo_trl.rollout`),
+One iteration: each process plays its `tasks_per_device` tasks `num_generations` times (`hgpo_trl.rollout.lockstep`),
 every step becomes one (prompt, completion) sample with its own advantage (`hgpo_trl.advantages`), and the
 parent's machinery (clipped loss, KL, optimizer, logging) trains on them, in one of two ways
-(`HGPOConfig.step_batching`, `hgpo_trl.step_batches`): a fixed budget of samples through TRL's own buffer, or
+(`HGPOConfig.step_batching`, `hgpo_trl.training.step_batches`): a fixed budget of samples through TRL's own buffer, or
 every step once in as many optimizer steps as the steps fill (as released). Only what per-step samples require
 is overridden: the task dataloader, the batch (`_generate_and_score_completions`, `_prepare_inputs`), the
 schedule, checkpoints and `evaluate`; each override's needs live in modules named for them (docs/architecture.md).
@@ -24,42 +24,39 @@ from datasets import Dataset
 from trl import GRPOTrainer
 
 from hgpo_trl.advantages import StepBatch, compute_advantages, hgpo_level_stats
-from hgpo_trl.checkpoints import (
-    RunClock,
-    check_resume,
-    cpu_map_location,
-    load_run_state,
-    save_checkpoint,
-    save_in_memory_weights,
-    without_tied_keys,
-)
-from hgpo_trl.collective import any_process, process_max, process_sum
-from hgpo_trl.config import HGPOConfig, check_trainer_arguments, check_trainer_inputs
-from hgpo_trl.dynamic_sampling import play_training_batches
+from hgpo_trl.config import HGPOConfig, check_trainer_arguments
+from hgpo_trl.config_checks import check_trainer_inputs
 from hgpo_trl.envs import TextEnv, is_fast_env, trainer_environment
 from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
-from hgpo_trl.evaluation import play_shared, validation_metrics
-from hgpo_trl.generation import generation_settings, trainer_rollout
-from hgpo_trl.interrupts import StopOnSignal
-from hgpo_trl.iterations import EarlyStop, FaultStreak, IterationCadence, IterationCount, iteration_schedule
-from hgpo_trl.loss_inputs import (
-    all_steps_counts,
-    all_steps_inputs,
-    budget_inputs,
-    completion_positions_only,
-    logprob_inputs,
-    training_rows,
+from hgpo_trl.evaluation.protocol import play_shared, validation_metrics
+from hgpo_trl.evaluation.trajectories import rollout_records, write_records
+from hgpo_trl.models.model_card import write_model_card
+from hgpo_trl.rollout.generation import generation_settings, trainer_rollout
+from hgpo_trl.rollout.lockstep import Completion, Rollout
+from hgpo_trl.rollout.sampler import TaskSampler
+from hgpo_trl.rollout.vllm_cpu import vllm_starting
+from hgpo_trl.runtime.collective import any_process, process_max, process_sum
+from hgpo_trl.runtime.progress import transformers_bars_as_ours, transformers_bars_off
+from hgpo_trl.runtime.seeds import seed_process
+from hgpo_trl.training import checkpoints, loss_inputs
+from hgpo_trl.training.dynamic_sampling import play_training_batches
+from hgpo_trl.training.interrupts import StopOnSignal
+from hgpo_trl.training.iterations import (
+    EarlyStop,
+    FaultStreak,
+    IterationCadence,
+    IterationCount,
+    iteration_schedule,
 )
-from hgpo_trl.metrics import SampleCounts, TrainedSteps, gathered_metrics, iteration_metrics, log_completions
-from hgpo_trl.model_card import write_model_card
-from hgpo_trl.progress import transformers_bars_as_ours, transformers_bars_off
-from hgpo_trl.reporting import set_up_reporting
-from hgpo_trl.rollout import Completion, Rollout
-from hgpo_trl.sampler import TaskSampler
-from hgpo_trl.seeds import seed_process
-from hgpo_trl.step_batches import plan_micro_batches, sample_tensors, windows_for
-from hgpo_trl.trajectories import rollout_records, write_records
-from hgpo_trl.vllm_cpu import vllm_starting
+from hgpo_trl.training.metrics import (
+    SampleCounts,
+    TrainedSteps,
+    gathered_metrics,
+    iteration_metrics,
+    log_completions,
+)
+from hgpo_trl.training.reporting import set_up_reporting
+from hgpo_trl.training.step_batches import plan_micro_batches, sample_tensors, windows_for
 
 
 def env_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -90,7 +87,7 @@ class HGPOTrainer(GRPOTrainer):
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
         with transformers_bars_as_ours(args.disable_tqdm), vllm_starting(args.use_vllm):  # (the reference, vLLM)
-            self._saved_start = (args.beta != 0.0 or peft_config is not None) and save_in_memory_weights(
+            self._saved_start = (args.beta != 0.0 or peft_config is not None) and checkpoints.save_in_memory_weights(
                 model, processing_class, args, peft=peft_config is not None)
             super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
@@ -111,7 +108,7 @@ class HGPOTrainer(GRPOTrainer):
         self._faults = FaultStreak(args.max_faulty_iterations)
         self._micro_batches: deque[dict[str, Any]] = deque()  # all_steps: the current iteration's, in order
         self._trained = TrainedSteps()  # all_steps: the steps/trained counters
-        self.clock = RunClock()  # the wall time, over the runs this one resumes
+        self.clock = checkpoints.RunClock()  # the wall time, over the runs this one resumes
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
         check_trainer_inputs(args, eval_dataset is not None, self.accelerator.state.deepspeed_plugin.deepspeed_config
                              if self.is_deepspeed_enabled else None)
@@ -241,7 +238,7 @@ class HGPOTrainer(GRPOTrainer):
         start = time.perf_counter()
         mode = "train" if self.model.training else "eval"
         rollout, batch, advantages, advantage_seconds = self._play_iteration(list(inputs))
-        output, selected, samples = budget_inputs(self, rollout, advantages)
+        output, selected, samples = loss_inputs.budget_inputs(self, rollout, advantages)
         self._log_iteration(mode, rollout, batch, advantages, samples, advantage_seconds)
         log_completions(self, [rollout.steps[i] for i in selected], advantages[selected])
         self._iteration += 1
@@ -270,17 +267,17 @@ class HGPOTrainer(GRPOTrainer):
                 return []
             tasks = [self.train_dataset[i] for i in self._task_sampler.iteration_tasks(self._iteration, rank, processes)]
             rollout, batch, advantages, advantage_seconds = self._play_iteration(tasks)
-            rows = training_rows(self, rollout, advantages)
+            rows = loss_inputs.training_rows(self, rollout, advantages)
             plan = plan_micro_batches(len(rows.completions), self.args.per_device_train_batch_size,
                                       "pad" if rows.balanced else self.args.fill_last_micro_batch,
                                       self.args.shuffle_steps, self._sample_rng)
             windows = windows_for(process_max(self.accelerator, len(plan)), self.args.gradient_accumulation_steps)
-            samples = all_steps_counts(len(rollout.steps), rows, plan, windows, self.args, self.num_iterations)
+            samples = loss_inputs.all_steps_counts(len(rollout.steps), rows, plan, windows, self.args, self.num_iterations)
             self._trained.start(rows.num_ids, shared=rows.balanced)
             self._log_iteration("train", rollout, batch, advantages, samples, advantage_seconds)
             self._iteration += 1
         log_completions(self, rollout.steps, advantages)
-        return all_steps_inputs(self, rows, plan, windows)
+        return loss_inputs.all_steps_inputs(self, rows, plan, windows)
 
     # ------------------------------------------------------------------ samples
     def _samples(self, completions: list[Completion], advantages: np.ndarray, padding: int) -> dict[str, torch.Tensor]:
@@ -288,17 +285,17 @@ class HGPOTrainer(GRPOTrainer):
                               self.accelerator.device, self.mask_truncated_completions, self.eos_token_ids)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        with completion_positions_only():  # (hgpo_trl.loss_inputs)
+        with loss_inputs.completion_positions_only():
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     def _logprob_inputs(self, samples: dict[str, torch.Tensor], completions: list[Completion], old: bool) -> dict:
-        inputs, sampling = logprob_inputs(self, samples, completions, old)  # (hgpo_trl.loss_inputs)
+        inputs, sampling = loss_inputs.logprob_inputs(self, samples, completions, old)
         if sampling is not None:
             self._log_gathered("train", sampling)
         return inputs
 
     def _dump(self, name: str, records: list[dict]) -> None:
-        """Write step records to output_dir/trajectories/<name>[_rank<i>].jsonl (read by hgpo_trl.trajectories)."""
+        """Write step records to output_dir/trajectories/<name>[_rank<i>].jsonl (read by hgpo_trl.evaluation.trajectories)."""
         suffix = f"_rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
         write_records(Path(self.args.output_dir) / "trajectories" / f"{name}{suffix}.jsonl", records)
 
@@ -318,8 +315,8 @@ class HGPOTrainer(GRPOTrainer):
                              log_history=self.state.log_history, completed_iterations=self.completed_iterations)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The parent's checkpoint plus our run state, staged, then renamed into place (`hgpo_trl.checkpoints`)."""
-        save_checkpoint(self, trial, partial(super()._save_checkpoint, model, trial))
+        """The parent's checkpoint plus our run state, staged, then renamed into place (`hgpo_trl.training.checkpoints`)."""
+        checkpoints.save_checkpoint(self, trial, partial(super()._save_checkpoint, model, trial))
 
     def _determine_best_metric(self, metrics, trial) -> bool:
         """The best step, marked under save_every_iterations too (load_best_model_at_end and rotation read it)."""
@@ -329,19 +326,19 @@ class HGPOTrainer(GRPOTrainer):
         return is_new_best
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """The parent's, from the checkpoint `check_resume` accepts (another number of processes, damage: refused)."""
-        checkpoint = check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
-        with self.signal_stop.installed():  # (Ctrl-C / SIGTERM: hgpo_trl.interrupts)
+        """The parent's, from the checkpoint `checkpoints.check_resume` accepts (another number of processes, damage: refused)."""
+        checkpoint = checkpoints.check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
+        with self.signal_stop.installed():  # (Ctrl-C / SIGTERM: hgpo_trl.training.interrupts)
             return super().train(checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _issue_warnings_after_load(self, load_result) -> None:
-        super()._issue_warnings_after_load(without_tied_keys(self.model, load_result))
+        super()._issue_warnings_after_load(checkpoints.without_tied_keys(self.model, load_result))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        with cpu_map_location(self.args.device):
+        with checkpoints.cpu_map_location(self.args.device):
             super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            load_run_state(self, checkpoint)
+            checkpoints.load_run_state(self, checkpoint)
 
     # ------------------------------------------------------------------ logging
     def _log_iteration(self, mode: str, rollout: Rollout, batch: StepBatch, advantages: np.ndarray,
@@ -375,7 +372,7 @@ class HGPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Play every validation task once at `eval_temperature` (`hgpo_trl.evaluation`'s protocol, as hgpo-eval
+        """Play every validation task once at `eval_temperature` (`hgpo_trl.evaluation.protocol`'s protocol, as hgpo-eval
         plays it) and log the success rate (the parent's evaluation would play G x G rollouts per task)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:

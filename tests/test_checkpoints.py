@@ -207,7 +207,7 @@ def test_a_resume_on_another_number_of_processes_is_refused_before_any_step(kind
 
 
 def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tmp_path):
-    from hgpo_trl.checkpoints import ResumeError, check_resume
+    from hgpo_trl.training.checkpoints import ResumeError, check_resume
 
     args = make_config(tmp_path)
     old = tmp_path / "checkpoint-4"
@@ -224,7 +224,7 @@ def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tm
 def test_a_weight_tied_to_a_loaded_one_is_not_reported_missing(tiny_model):
     from torch.nn.modules.module import _IncompatibleKeys
 
-    from hgpo_trl.checkpoints import without_tied_keys
+    from hgpo_trl.training.checkpoints import without_tied_keys
 
     assert tiny_model.get_output_embeddings().weight is tiny_model.get_input_embeddings().weight  # tied
     result = without_tied_keys(tiny_model, _IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
@@ -233,7 +233,7 @@ def test_a_weight_tied_to_a_loaded_one_is_not_reported_missing(tiny_model):
 
 def test_a_damaged_checkpoint_is_named_in_one_line_and_true_falls_back_to_the_newest_that_loads(
         tmp_path, tiny_model, tiny_tokenizer, capsys):
-    from hgpo_trl.checkpoints import ResumeError, damaged_file
+    from hgpo_trl.training.checkpoints import ResumeError, damaged_file
 
     make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, train_iterations=2, save_every_iterations=1)).train()
     older, newest = checkpoints(tmp_path / "out")
@@ -264,7 +264,7 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_true_falls_back_to_the_ne
 def test_a_checkpoint_s_weights_are_found_whatever_saved_them(tmp_path, weights):
     """transformers saves sharded FSDP state as pytorch_model_fsdp_0/*.distcp and DeepSpeed its own folder: both
     resume, so neither is 'no model weights'; a checkpoint with none of them is."""
-    from hgpo_trl.checkpoints import damaged_file
+    from hgpo_trl.training.checkpoints import damaged_file
 
     (tmp_path / "trainer_state.json").write_text("{}")
     if weights == "model.safetensors":

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hgpo_trl.cli import ConfigError, main, parse
+from hgpo_trl.commands.train import ConfigError, main, parse
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "accelerate" not in p.parts)
@@ -83,12 +83,12 @@ def test_a_model_is_required(tmp_path):
 def test_a_tiny_run_writes_summary_and_plots(tmp_path, capsys, monkeypatch):
     import json
 
-    import hgpo_trl.cli
-    from hgpo_trl.cli import main
+    import hgpo_trl.commands.train
+    from hgpo_trl.commands.train import main
 
     plotted = []
-    plot = hgpo_trl.cli.plot_learning
-    monkeypatch.setattr(hgpo_trl.cli, "plot_learning", lambda history, path: plotted.append(history) or plot(history, path))
+    plot = hgpo_trl.commands.train.plot_learning
+    monkeypatch.setattr(hgpo_trl.commands.train, "plot_learning", lambda history, path: plotted.append(history) or plot(history, path))
 
     config = write(tmp_path, TINY_RUN + """invalid_action: end_episode
 warmstart_steps: 3
@@ -116,7 +116,7 @@ trajectory_dump_every: 1
 
 
 def test_configuration_errors_exit_with_a_message(tmp_path, capsys):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", write(tmp_path, "estimator: ppo\n")])
@@ -127,7 +127,7 @@ def test_configuration_errors_exit_with_a_message(tmp_path, capsys):
 def test_resume_from_checkpoint_continues_the_run(tmp_path, capfd):
     import json
 
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     base = TINY_RUN + """warmstart_steps: 2
 warmstart_batch_size: 8
@@ -159,7 +159,7 @@ plots: false
 
 
 def test_a_checkpoint_of_another_process_count_is_one_line_before_any_step(tmp_path, capsys):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     checkpoint = tmp_path / "out" / "checkpoint-3"
     checkpoint.mkdir(parents=True)
@@ -177,7 +177,7 @@ def test_a_checkpoint_of_another_process_count_is_one_line_before_any_step(tmp_p
 def test_the_kl_reference_is_the_warm_start_and_survives_a_resume(tmp_path, tiny_model_path):
     from safetensors.torch import load_file
 
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     def weights(folder):
         return load_file(Path(folder) / "model.safetensors")
@@ -205,7 +205,7 @@ plots: false
 def test_a_model_folder_loads_through_transformers(tmp_path, tiny_model_path):
     import json
 
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     config = write(tmp_path, TINY_RUN + """train_iterations: 1
 save_strategy: "no"
@@ -242,7 +242,7 @@ def own_registries(monkeypatch):
 
     monkeypatch.setattr(hgpo_trl.envs.registry, "_REGISTRY", dict(hgpo_trl.envs.registry._REGISTRY))
     monkeypatch.setattr(hgpo_trl.advantages, "ESTIMATORS", dict(hgpo_trl.advantages.ESTIMATORS))
-    monkeypatch.setattr("hgpo_trl.config.ESTIMATORS", hgpo_trl.advantages.ESTIMATORS)
+    monkeypatch.setattr("hgpo_trl.config_checks.ESTIMATORS", hgpo_trl.advantages.ESTIMATORS)
     yield
     for name in [m for m in sys.modules if m.startswith("my_envs_")]:
         del sys.modules[name]
@@ -251,7 +251,7 @@ def own_registries(monkeypatch):
 @pytest.mark.parametrize("where", ["yaml", "command line"])
 def test_env_modules_register_an_environment_and_an_estimator_before_parsing(tmp_path, monkeypatch, own_registries,
                                                                                where):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     module = f"my_envs_{where.replace(' ', '_')}"
     (tmp_path / f"{module}.py").write_text(MY_ENVS)
@@ -275,7 +275,7 @@ def test_env_modules_register_an_environment_and_an_estimator_before_parsing(tmp
 ])
 def test_an_env_module_that_fails_to_import_is_one_line_naming_it(tmp_path, monkeypatch, capsys, own_registries,
                                                                     source, message):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     if source is not None:
         (tmp_path / "my_envs_missing.py").write_text(source)
@@ -335,7 +335,7 @@ def sections_of(text):
 
 
 def test_help_lists_our_sections_and_names_help_all_for_the_rest(capsys):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     main(["--help"])
     text = capsys.readouterr().out
@@ -353,7 +353,7 @@ def test_help_lists_our_sections_and_names_help_all_for_the_rest(capsys):
 
 
 def test_help_all_lists_every_field_ours_first(capsys):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--help-all"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hgpo_trl.cli import main
+from hgpo_trl.commands.train import main
 from tests.test_alfworld import needs_alfworld
 from tests.test_cli import TINY_RUN, write
 
@@ -69,7 +69,7 @@ def test_console_metrics_prints_trls_dicts_and_an_invalid_run_says_so(tmp_path, 
 
 def test_a_model_loaded_from_a_folder_draws_no_bar_where_the_console_is_no_terminal(tmp_path, capfd, tiny_model,
                                                                                    tiny_tokenizer):
-    from hgpo_trl.tiny import save_tiny
+    from hgpo_trl.models.tiny import save_tiny
 
     save_tiny(tiny_model, tiny_tokenizer, tmp_path / "model")
     capfd.readouterr()  # (the save's own bar)
@@ -98,7 +98,7 @@ def test_alfworld_without_data_is_one_line(tmp_path, capfd, monkeypatch):
 
 
 def test_a_gpu_config_on_a_cpu_names_the_fields_to_change(tmp_path, capfd, monkeypatch):
-    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: False)  # (vLLM's CPU build would run use_vllm)
+    monkeypatch.setattr("hgpo_trl.rollout.vllm_cpu.cpu_build", lambda: False)  # (vLLM's CPU build would run use_vllm)
     root = Path(__file__).resolve().parents[1]
     with pytest.raises(SystemExit) as exit_info:
         main(["--config", str(root / "configs" / "webshop" / "hgpo_k2_qwen2.5-1.5b.yaml"),

@@ -8,11 +8,11 @@ import zlib
 
 import pytest
 
-from hgpo_trl.continuous import PolicyStream, run_continuous
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv
 from hgpo_trl.envs.pool import InProcessEnvs, WorkerPoolEnvs
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.continuous import PolicyStream, run_continuous
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 from tests.test_pool import FaultyEnv, faulty_tasks
 from tests.test_rollout import optimal_action, scripted
 
@@ -128,9 +128,10 @@ def test_faults_and_a_hang_abort_the_same_episodes_as_in_lockstep():
 
 def test_rollout_mode_picks_continuous_where_the_backend_streams_and_refuses_it_where_it_cannot(monkeypatch):
     # (imported here: the worker processes above import this module, and need no training stack)
-    from hgpo_trl.config import HGPOConfig, check_trainer_inputs
+    from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.config_checks import check_trainer_inputs
 
-    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: True)  # (the config's checks, not vLLM itself)
+    monkeypatch.setattr("hgpo_trl.rollout.vllm_cpu.cpu_build", lambda: True)  # (the config's checks, not vLLM itself)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: name == "vllm" or find_spec(name, *args))
     config = functools.partial(HGPOConfig, output_dir="/tmp/unused", report_to="none", use_cpu=True)
@@ -153,7 +154,7 @@ def test_the_trainer_plays_continuously_with_transformers_and_trains_as_in_locks
     rollout and the iteration's metrics and updated weights are lock-step's."""
     import torch
 
-    from hgpo_trl.tiny import build_tiny_model
+    from hgpo_trl.models.tiny import build_tiny_model
     from tests.test_trainer import make_config, make_trainer
 
     played = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SOURCES = [*DOCS, ROOT / "train.py", ROOT / "evaluate.py", ROOT / "Makefile",
            *sorted(p for folder in ("hgpo_trl", "envs", "benchmarks", "examples", "configs")
                    for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".yaml", ".md"))]

@@ -1,6 +1,6 @@
 """The commands answer before the training stack is imported when they can: a config the parser refuses (an unknown
 key or option, a value of the wrong type) is refused in about a second, in the full parse's own words
-(`hgpo_trl.quick_check`); and every message names the command the user ran (`hgpo-eval`, not `evaluate.py`)."""
+(`hgpo_trl.commands.quick_check`); and every message names the command the user ran (`hgpo-eval`, not `evaluate.py`)."""
 
 import re
 import subprocess
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from trl import ModelConfig
 
-from hgpo_trl.arguments import EVAL_SECTIONS, TRAIN_SECTIONS, ConfigError, _accepted, section_fields
-from hgpo_trl.cli import parse
+from hgpo_trl.commands.arguments import EVAL_SECTIONS, TRAIN_SECTIONS, ConfigError, _accepted, section_fields
+from hgpo_trl.commands.parser import SectionParser
+from hgpo_trl.commands.quick_check import hgpo_config_fields, refuse_early
+from hgpo_trl.commands.train import parse
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.fields import HGPOFields
-from hgpo_trl.parser import SectionParser
-from hgpo_trl.quick_check import hgpo_config_fields, refuse_early
 from tests.test_bad_configs import ROWS, config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_hgpo_eval_names_itself(tmp_path, monkeypatch, capsys):
                            f"{tmp_path / 'c.yaml'}: history_lenght (did you mean history_length?); every key must be "
                            "a field (hgpo-eval --help-all lists them)\n")
     # A problem only the full parse sees, and the help, in the same words.
-    from hgpo_trl.evaluate import main
+    from hgpo_trl.commands.evaluate import main
 
     monkeypatch.setattr(sys, "argv", [str(hgpo_eval)])
     with pytest.raises(SystemExit):

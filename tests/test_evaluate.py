@@ -16,10 +16,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from hgpo_trl import entry_points, evaluate, players
+from hgpo_trl.commands import entry_points, evaluate, players
 from hgpo_trl.envs import KeyDoorEnv, keydoor_tasks, make_tasks, register_env
 from hgpo_trl.envs.alfworld import TASK_TYPES
-from hgpo_trl.tiny import build_tiny_model, save_tiny
+from hgpo_trl.models.tiny import build_tiny_model, save_tiny
 from tests.test_cli import sections_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -268,8 +268,8 @@ def test_hgpo_eval_plays_the_same_games_as_the_trainers_evaluation(tmp_path, tin
     from transformers import AutoModelForCausalLM
 
     from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.evaluation.trajectories import read_records
     from hgpo_trl.trainer import HGPOTrainer
-    from hgpo_trl.trajectories import read_records
 
     # Outputs stay invalid but episodes go on ("noop"): every step of the 4 compares a free-text output.
     settings = {"action_mode": "plain", "max_env_steps": 4, "max_completion_length": 4, "invalid_action": "noop",
@@ -307,15 +307,15 @@ class GradedFlakyKeyDoor(KeyDoorEnv):
 
 def test_the_same_games_give_the_same_success_score_and_faults_in_every_report(tmp_path, tiny_model_path,
                                                                                 tiny_tokenizer, monkeypatch):
-    """One definition (hgpo_trl.outcomes): success = won / played, score = the mean over every episode with a
+    """One definition (hgpo_trl.rollout.outcomes): success = won / played, score = the mean over every episode with a
     faulted (unscored) one counted 0, the faulted counted apart. The trainer's evaluate(), hgpo-eval,
     evaluate_model and both dumps' summaries agree on games where one episode of three faults; a training
     iteration's env/ metrics and its dump's summary agree too."""
     import hgpo_trl.envs.registry as registry
+    from hgpo_trl.commands.evaluate import evaluate_model
     from hgpo_trl.config import HGPOConfig
-    from hgpo_trl.evaluate import evaluate_model
+    from hgpo_trl.evaluation.trajectories import read_records, show_episode, summarize
     from hgpo_trl.trainer import HGPOTrainer
-    from hgpo_trl.trajectories import read_records, show_episode, summarize
 
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_env("graded_flaky_keydoor", GradedFlakyKeyDoor, keydoor_tasks, fast=True)
@@ -378,8 +378,8 @@ def test_results_go_beside_the_evaluated_model_and_never_over_an_earlier_one(tmp
 def test_evaluate_model_takes_a_folder_or_the_same_model_in_memory_and_returns_the_result(tmp_path, tiny_tokenizer):
     """From Python: a folder, the same weights in memory (a PEFT model too), with a YAML file or an HGPOConfig,
     play the same games for the same seed, and the result is what evaluation.json holds."""
+    from hgpo_trl.commands.evaluate import EvaluationResult, evaluate_model
     from hgpo_trl.config import HGPOConfig
-    from hgpo_trl.evaluate import EvaluationResult, evaluate_model
 
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2)
     folder = save_tiny(model, tiny_tokenizer, tmp_path / "model")
@@ -419,7 +419,7 @@ def test_evaluate_model_leaves_the_callers_model_tokenizer_and_random_generators
     import numpy as np
     from transformers import set_seed
 
-    from hgpo_trl.evaluate import evaluate_model
+    from hgpo_trl.commands.evaluate import evaluate_model
 
     def next_draws():  # (numpy's legacy global generator: the one set_seed seeds)
         return random.random(), float(np.random.random()), torch.rand(1).item()  # noqa: NPY002
@@ -461,8 +461,8 @@ def test_the_model_is_handed_back_on_its_own_tensors_wherever_the_evaluation_mov
 
 def test_evaluate_model_raises_a_value_error_with_the_one_line_before_any_model_plays(tmp_path, tiny_tokenizer,
                                                                                         monkeypatch):
+    from hgpo_trl.commands.evaluate import evaluate_model
     from hgpo_trl.config import HGPOConfig
-    from hgpo_trl.evaluate import evaluate_model
 
     monkeypatch.setattr(evaluate, "run", lambda *args: pytest.fail("a model played despite the bad input"))
     yaml_file = config(tmp_path, KEYDOOR)
@@ -525,8 +525,8 @@ TEXT_OPTIONS = {"seeds": "1", "num_envs": "2", "policy": "random", "splits": "va
 
 def test_evaluate_model_checks_options_by_one_rule_with_a_yaml_file_or_an_hgpo_config(tmp_path, monkeypatch):
     """The same options, the same errors (or the same reading) whichever config holds the training settings."""
+    from hgpo_trl.commands.evaluate import evaluate_model
     from hgpo_trl.config import HGPOConfig
-    from hgpo_trl.evaluate import evaluate_model
 
     played = []
     monkeypatch.setattr(evaluate, "run", lambda evaluation: played.append(evaluation) or {})

@@ -1,4 +1,4 @@
-"""hgpo_trl.export: merging a LoRA adapter into a plain model folder (function, CLI, errors)."""
+"""hgpo_trl.models.export: merging a LoRA adapter into a plain model folder (function, CLI, errors)."""
 
 import json
 import os
@@ -11,8 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hgpo_trl.export import main, merge_adapter
-from hgpo_trl.tiny import CHAT_TEMPLATE, build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.models.export import main, merge_adapter
+from hgpo_trl.models.tiny import CHAT_TEMPLATE, build_tiny_model, build_tiny_tokenizer, save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "you are in the kitchen . <action> go to hall </action>"
@@ -80,7 +80,7 @@ def test_merge_matches_adapter_model_and_keeps_tokenizer(tmp_path, run):
 def test_cli_takes_tokenizer_from_base_and_an_explicit_base_model(tmp_path, run):
     base, _, bare, _, _ = run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "hgpo_trl.export", str(bare), str(tmp_path / "merged"),
+    result = subprocess.run([sys.executable, "-m", "hgpo_trl.models.export", str(bare), str(tmp_path / "merged"),
                              "--base-model", str(base)], capture_output=True, text=True, env=env, cwd=ROOT,
                             timeout=300)
     assert result.returncode == 0, result.stderr

@@ -22,7 +22,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from hgpo_trl.actions import (
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.envs.pool import InProcessEnvs
+from hgpo_trl.rollout.actions import (
     ACTION_MODES,
     FORMAT_INSTRUCTIONS,
     MAX_ACTION_CHARS,
@@ -31,10 +33,8 @@ from hgpo_trl.actions import (
     parse_action,
     project_released,
 )
-from hgpo_trl.envs import make_env, make_tasks
-from hgpo_trl.envs.pool import InProcessEnvs
-from hgpo_trl.memory import Memory, fit_prompt
-from hgpo_trl.rollout import Completion, RolloutSettings, StepRecord, run_rollout
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, StepRecord, run_rollout
+from hgpo_trl.rollout.memory import Memory, fit_prompt
 
 SENTINEL = Path(tempfile.gettempdir()) / f"hgpo-fuzz-sentinel-{os.getpid()}"
 INJECTIONS = [

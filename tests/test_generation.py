@@ -1,7 +1,7 @@
 """Generate calls that stay in step across processes (issue 18): backends that slice a shared batch by position
 get the same prompt count from every process."""
 
-from hgpo_trl.generation import prompts_per_call, slices_by_position
+from hgpo_trl.rollout.generation import prompts_per_call, slices_by_position
 
 
 def test_backends_that_slice_by_position_are_named():

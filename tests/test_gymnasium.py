@@ -339,7 +339,7 @@ plots: false
 
 @pytest.mark.slow
 def test_tasks_are_seed_rows_and_train_py_trains_on_the_environment_by_name(tmp_path):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     assert make_tasks("gymnasium", "valid", env_id="Taxi-v4", num_tasks=2)["task_id"] == ["Taxi-v4/1000000",
                                                                                          "Taxi-v4/1000001"]
@@ -353,14 +353,14 @@ def test_tasks_are_seed_rows_and_train_py_trains_on_the_environment_by_name(tmp_
 
 @pytest.mark.slow
 def test_train_py_trains_on_blackjack_by_name(tmp_path, monkeypatch):
-    import hgpo_trl.cli
+    import hgpo_trl.commands.train
 
     histories = []  # the trainer's log history, as the run hands it to its summary
-    start_evaluation = hgpo_trl.cli.start_evaluation
-    monkeypatch.setattr(hgpo_trl.cli, "start_evaluation", lambda log: histories.append(log) or start_evaluation(log))
+    start_evaluation = hgpo_trl.commands.train.start_evaluation
+    monkeypatch.setattr(hgpo_trl.commands.train, "start_evaluation", lambda log: histories.append(log) or start_evaluation(log))
     config = tmp_path / "blackjack.yaml"
     config.write_text(TINY_RUN.format(out=tmp_path / "out"))
-    hgpo_trl.cli.main(["--config", str(config), "--env_kwargs", '{"env_id": "Blackjack-v1"}'])
+    hgpo_trl.commands.train.main(["--config", str(config), "--env_kwargs", '{"env_id": "Blackjack-v1"}'])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["iterations"] == summary["optimizer_steps"] == 2 and 0 <= summary["success_rate_end"] <= 1
     iterations = [log for log in histories[0] if "env/success_rate" in log]
@@ -419,7 +419,7 @@ def test_named_actions_by_mapping_and_a_row_without_an_environment():
 def test_train_py_refuses_an_environment_it_cannot_build_in_one_line(tmp_path, capsys, model, tiny_model,
                                                                      tiny_tokenizer):
     """Before any model loads (the tiny one is built from the environment's texts, a folder's is not)."""
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     config = tmp_path / "cartpole.yaml"
     config.write_text(TINY_RUN.format(out=tmp_path / "out"))

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM during training (hgpo_trl.interrupts): the first stops the run at the end of the iteration
+"""Ctrl-C and SIGTERM during training (hgpo_trl.training.interrupts): the first stops the run at the end of the iteration
 being played, with a checkpoint there and one line that says how to resume; the resumed run continues from it."""
 
 import json
@@ -34,7 +34,7 @@ def signal_during(monkeypatch, iteration: int, number: int = signal.SIGINT) -> l
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_mid_iteration_stops_at_its_end_with_a_checkpoint_and_the_resume_continues(
         tmp_path, monkeypatch, capfd, number):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     config = write(tmp_path, RUN)
     started = signal_during(monkeypatch, 2, number)
@@ -64,7 +64,7 @@ def test_a_signal_mid_iteration_stops_at_its_end_with_a_checkpoint_and_the_resum
 
 @pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd, number):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     started: list[int] = []
     play = HGPOTrainer._play
@@ -109,7 +109,7 @@ def test_the_handlers_are_put_back_when_training_fails(tmp_path, tiny_model, tin
 def test_a_signal_during_an_iteration_s_training_names_that_iteration(tmp_path, monkeypatch, capfd):
     """Under fixed_budget the iteration count moves when the rollout ends, before its training: a signal then
     still waits for that iteration, and the line says which."""
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     loss = HGPOTrainer.compute_loss
 

@@ -15,7 +15,7 @@ import pytest
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.base import MissingExtraError
 from hgpo_trl.envs.pool import make_env_batch
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 
 needs_openenv = pytest.mark.skipif(find_spec("openenv") is None, reason="needs the openenv extra (openenv-core)")
 

@@ -68,7 +68,7 @@ def test_the_wheel_installs_one_top_level_package_with_every_environment_module(
     assert len(modules) > 10
     assert {f"hgpo_trl/{name}" for name in modules} <= set(names)
     assert "hgpo_trl/envs/__init__.py" in names and not any("__pycache__" in name for name in names)
-    assert "hgpo_trl/viewer.html" in names  # the trajectory viewer's page, which viewer.py reads at run time
+    assert "hgpo_trl/evaluation/viewer.html" in names  # the trajectory viewer's page, which viewer.py reads at run time
 
 
 @pytest.mark.slow

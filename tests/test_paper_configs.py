@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from hgpo_trl.config import unread_estimator_fields
+from hgpo_trl.config_checks import unread_estimator_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,9 +52,9 @@ def test_lora_after_a_warm_start_trains_resumes_merges_and_evaluates_on_the_warm
     adapter_config.json named no base (tiny) or the raw one (a hub model), so hgpo-merge and hgpo-eval rebuilt a
     model that was never trained. The warm-started base is saved once, in output_dir/base_model, and everything
     points at it."""
-    from hgpo_trl import evaluate, players
-    from hgpo_trl.cli import main
-    from hgpo_trl.export import main as merge
+    from hgpo_trl.commands import evaluate, players
+    from hgpo_trl.commands.train import main
+    from hgpo_trl.models.export import main as merge
     from hgpo_trl.trainer import HGPOTrainer
     from tests.test_cli import TINY_RUN, write
 
@@ -88,10 +88,10 @@ def test_a_notebook_s_warm_started_model_with_lora_saves_an_evaluable_folder(tmp
     named no base model (null), so hgpo-eval stopped; it names the saved base now."""
     from trl import ModelConfig
 
-    from hgpo_trl import players
-    from hgpo_trl.arguments import EnvArguments
+    from hgpo_trl.commands import players
+    from hgpo_trl.commands.arguments import EnvArguments
     from hgpo_trl.envs import make_env
-    from hgpo_trl.warmstart import warm_start
+    from hgpo_trl.models.warmstart import warm_start
 
     warm_start(tiny_model, tiny_tokenizer, lambda: make_env("keydoor", max_steps=5),
                list(make_tasks("keydoor", "train", num_tasks=4)), steps=2, max_steps=5, batch_size=8)
@@ -123,7 +123,7 @@ def test_a_resume_the_config_does_not_announce_is_refused_when_the_start_was_sav
                                                                                       tiny_tokenizer):
     """trainer.train(resume_from_checkpoint=...) alone: the trainer had saved the model passed in as the run's base
     over the one the run started from; it says to set HGPOConfig.resume_from_checkpoint instead."""
-    from hgpo_trl.checkpoints import ResumeError
+    from hgpo_trl.training.checkpoints import ResumeError
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path), peft_config=lora)

@@ -231,7 +231,7 @@ def test_bad_arguments_and_batch_choice():
 
 def test_a_scheduler_s_sigint_or_sigterm_to_every_process_leaves_the_workers_playing(pool):
     """A terminal's Ctrl-C reaches the whole process group, a scheduler's SIGTERM (SLURM) every process of the job:
-    the training process stops at the end of its iteration (hgpo_trl.interrupts), so the workers must play on
+    the training process stops at the end of its iteration (hgpo_trl.training.interrupts), so the workers must play on
     until then, not fault the iteration's episodes."""
     before = multiprocessing.active_children()
     batch = pool()

@@ -9,11 +9,12 @@ from functools import partial
 import pytest
 from tqdm import std
 
-from hgpo_trl import evaluation, progress
+from hgpo_trl.commands.players import random_player
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import make_env_batch
-from hgpo_trl.players import random_player
-from hgpo_trl.rollout import RolloutSettings
+from hgpo_trl.evaluation import protocol
+from hgpo_trl.rollout.lockstep import RolloutSettings
+from hgpo_trl.runtime import progress
 
 
 class Stream:
@@ -68,10 +69,10 @@ def test_hgpo_eval_s_bar_counts_turns_and_jumps_by_the_turns_a_chunk_did_not_nee
         bars.append(CountingBar(**options, file=Stream(True), disable=disabled))
         return bars[-1]
 
-    monkeypatch.setattr(evaluation, "progress_bar", terminal_bar)
+    monkeypatch.setattr(protocol, "progress_bar", terminal_bar)
     tasks = list(make_tasks("keydoor", "valid", num_rooms=3, num_colors=3))  # 11 tasks: 3 chunks of 4 environments
     with make_env_batch(partial(make_env, "keydoor"), 4, 0) as envs:
-        episodes = evaluation.play_split(envs, tasks, random_player(0, "plain"),
+        episodes = protocol.play_split(envs, tasks, random_player(0, "plain"),
                                          RolloutSettings(action_mode="plain", max_steps=6), scripted=True,
                                          count_tokens=None, description="random valid seed 0", quiet=False,
                                          dump=None, args=None)
@@ -124,7 +125,7 @@ def test_where_bars_do_not_show_a_bar_prints_a_line_every_line_seconds_with_what
 def test_a_run_whose_output_goes_to_a_file_prints_where_each_long_phase_is(tmp_path, monkeypatch, capfd):
     """The warm start (its random episodes, then its steps and loss), each rollout's turns and each evaluation's, as
     lines in a non-terminal's output (capfd's file); LINE_SECONDS 0 here: a line at each step of each."""
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
     from tests.test_cli import TINY_RUN, write
 
     monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)

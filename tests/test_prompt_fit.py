@@ -6,12 +6,12 @@ from functools import partial
 
 import pytest
 
-from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import InProcessEnvs
-from hgpo_trl.memory import Memory, build_prompt, cut_middle, fit_prompt
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.actions import FORMAT_INSTRUCTIONS
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.memory import Memory, build_prompt, cut_middle, fit_prompt
 
 INSTRUCTION = FORMAT_INSTRUCTIONS["tags"]
 ADMISSIBLE = ["go to hall", "open red door"]

@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from hgpo_trl.actions import parse_action
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv
 from hgpo_trl.envs.pool import make_env_batch
-from hgpo_trl.generation import control_text_guard, encode_prompt, generate_completions
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
-from hgpo_trl.tiny import make_tiny
+from hgpo_trl.models.tiny import make_tiny
+from hgpo_trl.rollout.actions import parse_action
+from hgpo_trl.rollout.generation import control_text_guard, encode_prompt, generate_completions
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 QWEN25, QWEN3 = SHARED / "qwen2.5-tokenizer", SHARED / "qwen3-tokenizer"
@@ -202,8 +202,8 @@ train_iterations: 2
 @pytest.mark.slow
 @needs_alfworld
 def test_a_qwen_shaped_tiny_model_trains_on_real_alfworld_through_train_py_and_evaluates(tmp_path):
-    from hgpo_trl import evaluate
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands import evaluate
+    from hgpo_trl.commands.train import main
 
     config = tmp_path / "alfworld.yaml"
     config.write_text(TINY_QWEN + f"""env_name: alfworld
@@ -235,10 +235,10 @@ def test_a_qwen_shaped_tiny_lora_run_on_webshop_merges_and_evaluates(tmp_path, q
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from hgpo_trl import evaluate
+    from hgpo_trl.commands import evaluate
     from hgpo_trl.config import HGPOConfig
-    from hgpo_trl.export import main as merge
-    from hgpo_trl.tiny import save_tiny
+    from hgpo_trl.models.export import main as merge
+    from hgpo_trl.models.tiny import save_tiny
     from hgpo_trl.trainer import HGPOTrainer
 
     model, tokenizer = make_tiny("webshop", tokenizer=QWEN25, vocab_rows=151936, hidden_size=16, num_layers=1,

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hgpo_trl.arguments import ConfigError, parse_sections
-from hgpo_trl.cli import main, wants_rehearsal
+from hgpo_trl.commands.arguments import ConfigError, parse_sections
+from hgpo_trl.commands.train import main, wants_rehearsal
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rehearsal.launch import cpu_launch_file, read_launch_file
 from hgpo_trl.rehearsal.plan import (
@@ -371,7 +371,7 @@ def test_trained_once_reads_the_counters():
 
 # ------------------------------------------------------------------ messages
 def test_a_gpu_config_on_a_cpu_names_the_rehearsal_first(monkeypatch):
-    monkeypatch.setattr("hgpo_trl.vllm_cpu.cpu_build", lambda: False)  # (vLLM's CPU build would run use_vllm)
+    monkeypatch.setattr("hgpo_trl.rollout.vllm_cpu.cpu_build", lambda: False)  # (vLLM's CPU build would run use_vllm)
     with pytest.raises(ValueError, match=r"^HGPOConfig: this config needs a GPU.*rehearse it on this CPU with --rehearse"):
         HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
 

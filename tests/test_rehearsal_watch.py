@@ -10,11 +10,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-from hgpo_trl import progress
 from hgpo_trl.rehearsal import watch
 from hgpo_trl.rehearsal.launch import run_launches
 from hgpo_trl.rehearsal.plan import launch_bound
 from hgpo_trl.rehearsal.watch import LaunchWatch, plan_line
+from hgpo_trl.runtime import progress
 from tests.test_rehearsal import ALFWORLD, ROOT, parsed
 
 NAMES = [("launch 1 (iterations 1-2)", 2), ("launch 2 (iteration 3, resumed)", 1)]

@@ -9,7 +9,7 @@ from hgpo_trl.advantages import compute_advantages
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorTask
 from hgpo_trl.envs.pool import InProcessEnvs
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 
 
 def optimal_action(prompt: str) -> str:

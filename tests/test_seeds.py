@@ -1,4 +1,4 @@
-"""The run's random streams (hgpo_trl.seeds): one per (seed, rank, purpose), never seed + rank, under which rank 1
+"""The run's random streams (hgpo_trl.runtime.seeds): one per (seed, rank, purpose), never seed + rank, under which rank 1
 of seed 0 drew what rank 0 of seed 1 drew and seed-averaged results on several GPUs were correlated."""
 
 import itertools
@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import torch
 
-from hgpo_trl.sampler import TaskSampler
-from hgpo_trl.seeds import integer_seed, seed_process, stream
+from hgpo_trl.rollout.sampler import TaskSampler
+from hgpo_trl.runtime.seeds import integer_seed, seed_process, stream
 from tests.test_trainer import make_config, make_trainer
 
 GRID = list(itertools.product(range(4), range(4)))  # 4 seeds x 4 ranks

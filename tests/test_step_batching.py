@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv
-from hgpo_trl.step_batches import importance_sampling_ratio, plan_micro_batches, windows_for
+from hgpo_trl.training.step_batches import importance_sampling_ratio, plan_micro_batches, windows_for
 from tests.test_trainer import make_config, make_trainer, snapshot
 
 

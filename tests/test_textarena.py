@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("textarena", reason="the textarena extra is not installed: pip install 'hgpo-trl[textarena]'")
 
-from hgpo_trl.actions import format_action
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.base import MissingExtraError
 from hgpo_trl.envs.pool import InProcessEnvs, WorkerPoolEnvs
 from hgpo_trl.envs.textarena_env import GAME_STARTED, NltkDataMissing
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.actions import format_action
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 
 HANOI_SOLUTION = ["[a c]", "[a b]", "[c b]", "[a c]", "[b a]", "[b c]", "[a c]"]
 HANOI_MOVES = ["[a b]", "[a c]", "[b a]", "[b c]", "[c a]", "[c b]"]
@@ -239,7 +239,7 @@ plots: false
 
 @pytest.mark.slow
 def test_train_py_trains_the_tiny_model_on_secretary_with_env_workers(tmp_path, capsys):
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     config = tmp_path / "secretary.yaml"
     config.write_text(SECRETARY_RUN.format(out=tmp_path / "out") + "console_metrics: true\n")  # the dicts too

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
 
 CORPUS = [
     "You are in the Kitchen. There is a door to the hall!",
@@ -180,7 +180,7 @@ def test_the_quickstart_s_tokenizer_is_the_one_its_figures_were_measured_with():
     modes: a new mode's instruction (or any new text in the corpus) changed the quickstart's vocabulary, so its
     model, its measured learning, and the resume of a run saved before the change (the embedding rows differ)."""
     from hgpo_trl.envs import make_tasks
-    from hgpo_trl.tiny import make_tiny
+    from hgpo_trl.models.tiny import make_tiny
 
     tasks = list(make_tasks("keydoor", "train", num_rooms=6, num_colors=6))  # configs/quickstart.yaml's
     _, tokenizer = make_tiny("keydoor", tasks, env_kwargs={"coin_reward": 0.0, "key_reward": 3.0}, hidden_size=16,

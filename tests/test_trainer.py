@@ -15,10 +15,10 @@ from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv
-from hgpo_trl.loss_inputs import LOSS_INPUT_KEYS
-from hgpo_trl.sampler import TaskSampler
-from hgpo_trl.tiny import build_tiny_model
+from hgpo_trl.models.tiny import build_tiny_model
+from hgpo_trl.rollout.sampler import TaskSampler
 from hgpo_trl.trainer import HGPOTrainer
+from hgpo_trl.training.loss_inputs import LOSS_INPUT_KEYS
 
 
 def make_config(tmp_path, **overrides):
@@ -270,8 +270,8 @@ def test_training_time_leaves_out_the_rollout(tmp_path, tiny_model, tiny_tokeniz
 
 def test_webshop_trains_and_logs_its_score(tmp_path):
     from hgpo_trl.envs import make_env
-    from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
-    from hgpo_trl.warmstart import environment_corpus
+    from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
+    from hgpo_trl.models.warmstart import environment_corpus
 
     tasks = make_tasks("webshop", "train", num_tasks=2)
     tokenizer = build_tiny_tokenizer(environment_corpus(make_env("webshop"), list(tasks), episodes=4, max_steps=3))
@@ -390,8 +390,8 @@ def test_worker_faults_in_training_fail_episodes_and_training_goes_on(tmp_path, 
 
 
 def test_prompts_are_fitted_to_the_model_context_by_default(tmp_path, tiny_tokenizer):
-    from hgpo_trl.generation import encode_prompt
-    from hgpo_trl.tiny import build_tiny_model
+    from hgpo_trl.models.tiny import build_tiny_model
+    from hgpo_trl.rollout.generation import encode_prompt
 
     model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=64)
     trainer = make_trainer(model, tiny_tokenizer, make_config(tmp_path, history_length=3, train_iterations=2))
@@ -422,7 +422,7 @@ def test_on_a_cpu_the_fused_head_scores_the_completion_positions_only_with_the_s
     completions), which is what the log-probabilities read: the same values, a fraction of the work."""
     import trl.trainer.utils as trl_utils
 
-    from hgpo_trl.loss_inputs import completion_positions_only
+    from hgpo_trl.training.loss_inputs import completion_positions_only
 
     model = tiny_model
     trl_utils.add_fused_lm_head(model, temperature=1.0, cast_lm_head_to_fp32=False, outputs=("log_probs", "entropy"))

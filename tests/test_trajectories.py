@@ -13,8 +13,15 @@ from hgpo_trl.advantages import compute_advantages, hgpo_level_stats
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import InProcessEnvs
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
-from hgpo_trl.trajectories import main, read_records, rollout_records, show_episode, summarize, write_records
+from hgpo_trl.evaluation.trajectories import (
+    main,
+    read_records,
+    rollout_records,
+    show_episode,
+    summarize,
+    write_records,
+)
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 from tests.test_trainer import make_config, make_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +103,7 @@ def test_show_and_summary():
 def test_show_and_summary_on_the_command_line(tmp_path, capsys):
     records = scripted_records()
     path = write_records(tmp_path / "d.jsonl", records)
-    shown = subprocess.run([sys.executable, "-m", "hgpo_trl.trajectories", "show", str(path), "--episode", "0",
+    shown = subprocess.run([sys.executable, "-m", "hgpo_trl.evaluation.trajectories", "show", str(path), "--episode", "0",
                             "--prompt"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "episode 0" in shown.stdout
     assert f"    | {records[0]['prompt'].splitlines()[0]}" in shown.stdout  # the prompt the step saw, on request

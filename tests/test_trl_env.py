@@ -12,15 +12,15 @@ import pytest
 from datasets import Dataset
 from transformers import AutoTokenizer
 
-from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.advantages import compute_advantages
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import TRLEnv, make_env
 from hgpo_trl.envs.pool import make_env_batch
 from hgpo_trl.envs.trl_calls import read_call, written_call
-from hgpo_trl.generation import encode_prompt
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
-from hgpo_trl.tiny import make_tiny
+from hgpo_trl.models.tiny import make_tiny
+from hgpo_trl.rollout.actions import FORMAT_INSTRUCTIONS
+from hgpo_trl.rollout.generation import encode_prompt
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 from hgpo_trl.trainer import HGPOTrainer
 
 QWEN25 = Path(__file__).resolve().parents[2] / "shared" / "data" / "qwen2.5-tokenizer"
@@ -223,7 +223,7 @@ def test_auto_asks_for_json_calls_only_where_the_template_writes_them():
     from trl.chat_template_utils import supports_tool_calling
 
     from hgpo_trl.envs.trl_calls import writes_json_calls
-    from hgpo_trl.tiny import build_tiny_tokenizer
+    from hgpo_trl.models.tiny import build_tiny_tokenizer
 
     qwen25, qwen3 = (AutoTokenizer.from_pretrained(QWEN25.parent / name) for name in ("qwen2.5-tokenizer",
                                                                                       "qwen3-tokenizer"))
@@ -297,7 +297,7 @@ def test_trl_reads_the_class_as_the_adapter_does(tmp_path, monkeypatch):
 def test_train_py_builds_the_tiny_model_for_a_trl_class_and_trains(tmp_path):
     """The quickstart's CPU path for a TRL class named in YAML: `model_name_or_path: tiny` builds its word-level
     vocabulary from the tools' schema, the reset texts and the tool results; a short warm start, one iteration."""
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     rows = {split: [{"prompt": "Reach the goal.", "goal": goal} for goal in goals]
             for split, goals in (("train", [2, 3]), ("valid", [1]))}
@@ -340,7 +340,7 @@ save_strategy: "no"
 def test_hgpo_eval_plays_a_trl_class_in_the_format_the_model_trained_with(tmp_path):
     """hgpo-eval takes the tool format and tools from the model's chat template as the trainer does: json for
     Qwen2.5 (before, it played the call format, whose prompts list the tools, to a model trained on json)."""
-    from hgpo_trl.evaluate import main as hgpo_eval
+    from hgpo_trl.commands.evaluate import main as hgpo_eval
 
     config = tmp_path / "eval.yaml"
     config.write_text(f"""model_name_or_path: tiny

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hgpo_trl.envs import make_tasks
-from hgpo_trl.generation import prompt_budget
-from hgpo_trl.rollout import Completion, StepRecord
-from hgpo_trl.step_batches import sampling_metrics
+from hgpo_trl.rollout.generation import prompt_budget
+from hgpo_trl.rollout.lockstep import Completion, StepRecord
+from hgpo_trl.training.step_batches import sampling_metrics
 from tests.test_trainer import make_config, make_trainer
 
 

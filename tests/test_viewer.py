@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hgpo_trl.advantages import compute_advantages
-from hgpo_trl.trajectories import (
+from hgpo_trl.evaluation.trajectories import (
     read_records,
     rollout_records,
     show_episode,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hgpo_trl import vllm_cpu
+from hgpo_trl.commands.evaluate import cpu_overrides
 from hgpo_trl.config import HGPOConfig
-from hgpo_trl.evaluate import cpu_overrides
+from hgpo_trl.rollout import vllm_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,7 +41,7 @@ def test_server_mode_on_a_cpu_is_refused_in_one_line(monkeypatch):
 
 @pytest.mark.parametrize("build", [True, False])
 def test_hgpo_eval_keeps_use_vllm_on_a_cpu_only_with_the_cpu_build(monkeypatch, capsys, tmp_path, build):
-    monkeypatch.setattr("hgpo_trl.evaluate.cpu_build", lambda: build)
+    monkeypatch.setattr("hgpo_trl.commands.evaluate.cpu_build", lambda: build)
     config = tmp_path / "gpu.yaml"
     config.write_text("use_vllm: true\nbf16: true\n")
     argv = cpu_overrides(["--config", str(config), "--model_name_or_path", "run"])
@@ -79,7 +79,7 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_colocated_vllm_trains_with_a_weight_sync_after_each_optimizer_step(runs):
     training = runs["training"]
-    assert training["continuous"]  # rollout_mode auto: colocated vLLM plays continuously (hgpo_trl.continuous)
+    assert training["continuous"]  # rollout_mode auto: colocated vLLM plays continuously (hgpo_trl.rollout.continuous)
     assert training["iterations"] == 2 and all(n > 0 for n in training["collected"])
     # One sync per rollout at a new optimizer step: before the first (step 0), before the second (step 1).
     assert training["syncs"] == [0, 1] and training["global_step"] == 2

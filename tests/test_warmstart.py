@@ -11,10 +11,10 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
-from hgpo_trl.actions import FORMAT_INSTRUCTIONS
 from hgpo_trl.envs import KeyDoorEnv, keydoor_tasks, make_env, make_tasks, register_env
-from hgpo_trl.tiny import build_tiny_model, make_tiny
-from hgpo_trl.warmstart import random_play, sft_dataset, warm_start
+from hgpo_trl.models.tiny import build_tiny_model, make_tiny
+from hgpo_trl.models.warmstart import random_play, sft_dataset, warm_start
+from hgpo_trl.rollout.actions import FORMAT_INSTRUCTIONS
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -62,7 +62,7 @@ def test_the_warm_start_runs_outside_the_launch_s_deepspeed_and_fsdp_and_restore
     from accelerate import PartialState
     from transformers.integrations import deepspeed
 
-    from hgpo_trl.warmstart import data_parallel_only
+    from hgpo_trl.models.warmstart import data_parallel_only
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
@@ -82,7 +82,7 @@ def test_the_warm_start_leaves_accelerate_s_device_as_it_found_it(before):
     this machine the state object says it (its cpu flag), not a GPU."""
     from accelerate.state import AcceleratorState, PartialState
 
-    from hgpo_trl.warmstart import data_parallel_only
+    from hgpo_trl.models.warmstart import data_parallel_only
 
     saved = dict(PartialState._shared_state), dict(AcceleratorState._shared_state)
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -147,7 +147,7 @@ def test_a_fault_ends_a_random_episode_as_in_training_and_the_tiny_model_and_war
 
 def test_an_environment_that_always_fails_stops_train_py_in_one_line_before_training(tmp_path, monkeypatch, capsys):
     import hgpo_trl.envs.registry as registry
-    from hgpo_trl.cli import main
+    from hgpo_trl.commands.train import main
 
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_env("broken_keydoor", lambda **kw: FlakyKeyDoor(always=True, **kw), keydoor_tasks, fast=True)
@@ -163,7 +163,7 @@ def test_an_environment_that_always_fails_stops_train_py_in_one_line_before_trai
 def test_the_warm_start_s_plays_draw_from_one_stream_not_seed_plus_k(monkeypatch, tiny_model, tiny_tokenizer):
     """A warm start that needs several plays drew the k-th from seed + k: seed 0's second play was seed 1's
     first. Each play now continues the first one's generator."""
-    import hgpo_trl.warmstart as warmstart_module
+    import hgpo_trl.models.warmstart as warmstart_module
 
     seeds = []
     play = warmstart_module.random_play

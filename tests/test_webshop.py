@@ -18,7 +18,7 @@ from hgpo_trl.envs.webshop.reward import normalize_color, score, token_set_ratio
 from hgpo_trl.envs.webshop.search import product_document
 from hgpo_trl.envs.webshop.shop import load_goals, load_shop
 from hgpo_trl.envs.webshop.tasks import SPLITS
-from hgpo_trl.rollout import Completion, RolloutSettings, run_rollout
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
 
 SHOES = "Clothing, Shoes & Jewelry › Men › Shoes › Athletic › Running"
 

@@ -20,25 +20,26 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from hgpo_trl import evaluate, generation
+from hgpo_trl.commands import evaluate
+from hgpo_trl.commands.players import load_tokenizer
 from hgpo_trl.config import HGPOConfig
-from hgpo_trl.continuous import run_continuous
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.pool import InProcessEnvs
-from hgpo_trl.generation import (
+from hgpo_trl.evaluation.trajectories import read_records
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.models.warmstart import warm_start
+from hgpo_trl.rollout import generation
+from hgpo_trl.rollout.continuous import run_continuous
+from hgpo_trl.rollout.generation import (
     ModelPolicy,
     generate_completions,
     prompts_per_call,
     sampled_logprobs,
     trainer_generator,
 )
-from hgpo_trl.players import load_tokenizer
-from hgpo_trl.rollout import run_rollout
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.rollout.lockstep import run_rollout
+from hgpo_trl.rollout.vllm_stream import VLLMStream
 from hgpo_trl.trainer import HGPOTrainer
-from hgpo_trl.trajectories import read_records
-from hgpo_trl.vllm_stream import VLLMStream
-from hgpo_trl.warmstart import warm_start
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.conftest import keydoor_corpus

@@ -15,7 +15,7 @@ without), the context inconsistency HGPO's deeper levels are for; only "You hold
 a level sees it only while it is within its last K observations. The knob changes the batch, not what a task
 asks: every task has the same optimal policy (take the key, go on, open the door).
 
-The policy reads what a memory-window prompt shows, `hgpo_trl.memory.Memory.window(H)` plus the current
+The policy reads what a memory-window prompt shows, `hgpo_trl.rollout.memory.Memory.window(H)` plus the current
 observation, so the lab's policy conditions on exactly what an LLM's prompt would hold (less the template).
 Everything is finite: `build(...)` enumerates the Markov states of agent and environment, (position, key, t,
 window), with their transitions, from which rollouts are a table lookup and values an exact backward pass.
@@ -28,7 +28,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hgpo_trl.memory import Memory
+from hgpo_trl.rollout.memory import Memory
 
 SUCCESS_REWARD = 10.0
 ENTRANCE, KEYROOM, DOOR = "entrance", "keyroom", "door"

@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from hgpo_trl.arguments import ConfigError
-from hgpo_trl.parser import command_name
+from hgpo_trl.commands.arguments import ConfigError
+from hgpo_trl.commands.parser import command_name
 
 MARKER = "REHEARSAL"  # a folder holding it is a rehearsal's, which a new rehearsal may clear
 MARK = "HGPO_REHEARSAL_LAUNCH"  # in every launched process's environment: how they are all found and stopped
@@ -130,8 +130,8 @@ def prepare_folder(folder: Path) -> None:
 def build_model(shape, tokenizer, folder: Path) -> Path:
     """The rehearsal's model: a tiny twin of `shape` (same architecture, embedding rows, tying and query
     groups), random weights, saved with the real tokenizer."""
-    from hgpo_trl.progress import transformers_bars_off
     from hgpo_trl.rehearsal.shapes import build_model_folder, tiny_twin
+    from hgpo_trl.runtime.progress import transformers_bars_off
 
     if len(tokenizer) > shape.vocab_rows:
         raise ConfigError(f"--rehearse_tokenizer: its {len(tokenizer)} tokens do not fit the model's "
@@ -147,7 +147,7 @@ def launch(launch_file: Path, machines: int, argv: list[str], log: Path, timeout
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "DS_ACCELERATOR": "cpu"}
     commands = [([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
-                  "--machine_rank", str(rank), "-m", "hgpo_trl.cli", *argv],
+                  "--machine_rank", str(rank), "-m", "hgpo_trl.commands.train", *argv],
                  log.with_name(f"{log.stem}{'' if machines == 1 else f'_machine{rank}'}.log"))
                 for rank in range(machines)]
     return run_launches(commands, env, timeout, bound, watch)

@@ -29,7 +29,7 @@ set on the GPU (two layers and the largest matrix, the embedding). Colocated vLL
 
 Host memory per machine peaks at one of two times, which never overlap (DeepSpeed moves the loaded weights to the
 GPU before it allocates what it offloads): the offloads above, or loading, when every process builds its model on
-the CPU in `dtype` (hgpo_trl/cli.py `load_model`), whole, or its 1 / P partition under ZeRO-3's zero.Init
+the CPU in `dtype` (hgpo_trl/commands/train.py `load_model`), whole, or its 1 / P partition under ZeRO-3's zero.Init
 (accelerate's `zero3_init_flag`, on by default at stage 3; a warm start loads it whole); under DeepSpeed the
 policy waits there for `deepspeed.initialize` while TRL loads the KL reference beside it (transformers' Trainer
 moves a plain DDP policy to its GPU first: `place_model_on_device`). Not counted: each process's libraries and

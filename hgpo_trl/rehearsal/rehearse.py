@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from hgpo_trl.arguments import TINY, ConfigError, RehearsalArguments, flag_value, parse_sections
+from hgpo_trl.commands.arguments import TINY, ConfigError, RehearsalArguments, flag_value, parse_sections
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rehearsal.launch import (
     LaunchFile,
@@ -105,7 +105,7 @@ def find_tokenizer(name: str, folder: str | None):
     cache's for `name` (or the model folder's own); else one line saying which to give."""
     from transformers import AutoTokenizer
 
-    from hgpo_trl.tiny import load_tokenizer_folder
+    from hgpo_trl.models.tiny import load_tokenizer_folder
 
     if folder is not None:
         try:

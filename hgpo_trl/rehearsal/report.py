@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from hgpo_trl.trajectories import read_records
+from hgpo_trl.evaluation.trajectories import read_records
 
 
 def iteration_counters(log_history: list[dict[str, Any]], processes: int) -> list[dict[str, Any]]:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import psutil
 
-from hgpo_trl import progress
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rehearsal.launch import MARK
 from hgpo_trl.rehearsal.plan import HUNG, START_SECONDS, STEP_SECONDS, launch_expected, rollout_steps
+from hgpo_trl.runtime import progress
 
 ITERATION_LINE = re.compile(r"\[iter\s+\d+\]")
 READ_SECONDS = 2.0  # how often a launch's log is read for new [iter] lines

@@ -10,7 +10,7 @@ rollout it played.
 
 warmstart=STEPS: train.py's order: the config, then a supervised warm start of STEPS steps, then the trainer;
 each process also writes the checksums of the model before and after the warm start. model=folder: the tiny
-model saved to a folder and loaded by train.py's loader (hgpo_trl.cli.load_model), as a hub model is.
+model saved to a folder and loaded by train.py's loader (hgpo_trl.commands.train.load_model), as a hub model is.
 
 dynamic=1: dynamic sampling (at most 3 rollout batches); episodes end after one step (an invalid output's too: it
 reaches the environment as a no-op, so no sampled output changes what a group is paid), every one paid 0 on
@@ -44,7 +44,7 @@ from hgpo_trl.advantages import compute_advantages, register_estimator
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from hgpo_trl.trainer import HGPOTrainer
 from tests.conftest import keydoor_corpus
 
@@ -152,9 +152,9 @@ def main(out: str, extra: list[str]) -> None:
     if "warmstart" in options:
         from trl import ModelConfig
 
-        from hgpo_trl.cli import EnvArguments, load_model
+        from hgpo_trl.commands.train import EnvArguments, load_model
         from hgpo_trl.envs import make_env
-        from hgpo_trl.warmstart import warm_start
+        from hgpo_trl.models.warmstart import warm_start
 
         if options.get("model") == "folder":  # loaded as train.py loads a hub model (ZeRO-3 would partition it)
             folder = os.path.join(out, "model")

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from hgpo_trl.config import HGPOConfig  # noqa: E402
 from hgpo_trl.envs import make_tasks  # noqa: E402
-from hgpo_trl.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny  # noqa: E402
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny  # noqa: E402
 from hgpo_trl.trainer import HGPOTrainer  # noqa: E402
 from tests.conftest import keydoor_corpus  # noqa: E402
 
@@ -85,7 +85,7 @@ def test_hgpo_eval_generates_with_vllm_and_a_seed_repeats(tmp_path, model_path):
     """hgpo-eval with use_vllm on a GPU: vLLM generates, and the same seed gives the same results."""
     import json
 
-    from hgpo_trl import evaluate
+    from hgpo_trl.commands import evaluate
 
     config = tmp_path / "eval.yaml"
     config.write_text(f"model_name_or_path: {model_path}\noutput_dir: {tmp_path}/run\nreport_to: none\n"

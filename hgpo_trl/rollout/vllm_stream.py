@@ -1,0 +1,78 @@
+"""Colocated vLLM as a `CompletionStream` (`hgpo_trl.rollout.continuous`): each prompt is one request added to TRL's
+colocated engine (`LLMEngine.add_request`), and each `finished()` is one engine step (`LLMEngine.step`), which
+hands back the requests that finished; vLLM's continuous batching fills the batch with whatever is waiting.
+
+The sampling settings are those TRL's `VLLMGeneration.generate` gives a colocated call (temperature, top-p/k,
+min-p, repetition penalty, max_completion_length, logprobs, its generation_kwargs), plus a seed per request: drawn
+from (a seed per rollout, from this process's seeded torch stream; the episode; the step), so that a request
+samples the same tokens whatever it is batched with, as far as vLLM's batched arithmetic gives the same logits
+(measured: docs/trainer.md), and a resumed run draws what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hgpo_trl.rollout.lockstep import Completion
+
+
+def sampling_kwargs(backend, temperature: float) -> dict:
+    """SamplingParams' arguments as TRL's colocated generate builds them, at `temperature`."""
+    kwargs = {"n": 1, "repetition_penalty": backend.repetition_penalty, "temperature": temperature,
+              "top_p": backend.top_p, "top_k": backend.top_k, "min_p": backend.min_p or 0.0,
+              "max_tokens": backend.max_completion_length, "logprobs": backend.logprobs, **backend.generation_kwargs}
+    if backend.structured_outputs_regex is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs["structured_outputs"] = StructuredOutputsParams(regex=backend.structured_outputs_regex)
+    return kwargs
+
+
+def sampled_logprobs(logprobs: list[list[list[float]]]) -> list[list[float]]:
+    """One log-probability per completion token, the sampled token's, from TRL's vLLM answers (colocated or from a
+    server: per token the sampled token's first, then any top-k)."""
+    return [[token[0] for token in completion] for completion in logprobs]
+
+
+def request_seed(rollout_seed: int, episode: int, step: int) -> int:
+    """A request's sampling seed: 32 bits of the SeedSequence of (rollout seed, episode, step)."""
+    return int(np.random.SeedSequence((rollout_seed, episode, step)).generate_state(1)[0])
+
+
+class VLLMStream:
+    """Requests to `backend.llm` (TRL's colocated VLLMGeneration), one per prompt (see the module doc).
+    `prompt_ids(text)` encodes a prompt as the lock-step policy does; `decode` turns completion ids into text."""
+
+    def __init__(self, backend, temperature: float, prompt_ids: Callable[[str], list[int]],
+                 decode: Callable[[list[int]], str]):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self.engine = backend.llm.llm_engine
+        self.prompt_ids, self.decode = prompt_ids, decode
+        self._params = SamplingParams(**sampling_kwargs(backend, temperature), output_kind=RequestOutputKind.FINAL_ONLY)
+        self._rollout_seed = int(torch.randint(0, 2**63 - 1, ()))  # (this process's generation stream)
+        self._keys: dict[str, int] = {}
+
+    def submit(self, key: int, prompt: str, step: int) -> None:
+        params = self._params.clone()
+        params.seed = request_seed(self._rollout_seed, key, step)
+        request = f"{self._rollout_seed}-{key}-{step}"
+        self._keys[request] = key
+        self.engine.add_request(request, {"prompt_token_ids": self.prompt_ids(prompt)}, params)
+
+    def finished(self) -> list[tuple[int, Completion]]:
+        from trl.generation.vllm_generation import extract_logprobs
+
+        done = []
+        for output in self.engine.step():
+            if output.finished:
+                ids = list(output.outputs[0].token_ids)
+                logprobs, _ = extract_logprobs([output])
+                done.append((self._keys.pop(output.request_id), Completion(
+                    text=self.decode(ids), prompt_ids=list(output.prompt_token_ids), completion_ids=ids,
+                    logprobs=None if logprobs is None else sampled_logprobs(logprobs)[0])))
+        return done

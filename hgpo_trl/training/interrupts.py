@@ -1,0 +1,114 @@
+"""Ctrl-C and SIGTERM during training: the first asks the run to stop where a checkpoint can resume it.
+
+A scheduler's SIGTERM before a preemption, or a Ctrl-C in a terminal or a notebook, would otherwise end the run
+wherever it is, losing every iteration since the last checkpoint. While `HGPOTrainer.train` runs, the first
+SIGINT or SIGTERM only sets a flag (and prints one line); at the end of the iteration being played every process
+asks whether any process saw one (one collective decision: a signal that reached a single rank stops them all
+at the same boundary), and if so the run skips that boundary's evaluation, saves a checkpoint and stops. A second
+signal stops at once: `SecondSignal`, a `KeyboardInterrupt`, nothing saved.
+
+Under `accelerate launch` (torchrun) the launcher forwards the signal to every rank and kills them
+`TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds later (30 by default): set it above an iteration's time at the launch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from transformers import TrainerCallback
+
+from hgpo_trl.runtime.collective import any_process
+from hgpo_trl.training.iterations import IterationTrainer
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class SecondSignal(KeyboardInterrupt):
+    """A second signal: the run stops at once (`signal`: its number, for the exit status 128 + it)."""
+
+    def __init__(self, message: str, number: int):
+        super().__init__(message)
+        self.signal = number
+
+
+class StopOnSignal(TrainerCallback):
+    """The stop on a signal, as a callback: handlers installed for the span of `train()` (`installed`), the decision
+    at every iteration boundary. `signal_name` is the signal that stopped the run (None: none did); `announce`:
+    print where the checkpoint is at the end (train.py prints its own line, with the command that resumes it)."""
+
+    def __init__(self, trainer: IterationTrainer):
+        self.trainer = trainer
+        self.requested: str | None = None  # the first signal seen on this process
+        self.signal_name: str | None = None  # the signal that stopped the run (on every process)
+        self.announce = True
+        self.boundary = self.iteration_seconds = 0.0
+        self.completed = 0  # the iterations completed at the last boundary (the counters move inside an iteration)
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """The handlers while the block runs, the previous ones put back however it ends (the Trainer calls no
+        on_train_end when training raises). Signal handlers live in the main thread: elsewhere, none."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {number: signal.signal(number, self._handle) for number in SIGNALS}
+        try:
+            yield
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.requested = self.signal_name = None
+        self.boundary, self.completed = time.monotonic(), self.trainer.completed_iterations
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.signal_name and self.announce and state.is_world_process_zero:
+            print(f"[stop] stopped by {self.signal_name} after iteration {self.trainer.completed_iterations}: "
+                  f"{self.checkpoint} holds it (resume_from_checkpoint)", flush=True)
+
+    @property
+    def checkpoint(self) -> str:
+        """The checkpoint the stop saved (the last optimizer step's)."""
+        return os.path.join(self.trainer.args.output_dir, f"checkpoint-{self.trainer.state.global_step}")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.trainer.at_iteration_boundary:
+            return
+        now = time.monotonic()
+        self.iteration_seconds, self.boundary = now - self.boundary, now
+        self.completed = self.trainer.completed_iterations
+        if any_process(self.trainer.accelerator, self.requested is not None):
+            self.signal_name = self.requested or "a signal on another process"
+            control.should_evaluate = False  # the user wants the run to end: the checkpoint, then out
+            control.should_save = control.should_training_stop = True
+
+    def _handle(self, number: int, frame) -> None:
+        name = signal.Signals(number).name
+        if self.requested is not None:
+            raise SecondSignal(f"{name} again: stopped at once; nothing since the last checkpoint is saved", number)
+        self.requested = name
+        iteration = self.completed + 1
+        took = f"iterations take ~{seconds(self.iteration_seconds)}, " if self.iteration_seconds else ""
+        launched = ("; the launcher kills the ranks " + os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
+                    + " s after it forwards a signal (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
+                    if "TORCHELASTIC_RUN_ID" in os.environ else "")
+        _say(f"[stop] {name}: the run stops when iteration {iteration} ends ({took}this one has run "
+             f"{seconds(time.monotonic() - self.boundary)}) and saves a checkpoint there; {name} again stops at once, "
+             f"saving nothing{launched}")
+
+
+def seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+
+
+def _say(line: str) -> None:
+    """One line on stderr, written whole (a signal handler may interrupt a print in progress)."""
+    rank = os.environ.get("RANK")
+    os.write(2, (f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else "")
+             .encode() + line.encode() + b"\n")

@@ -1,0 +1,157 @@
+"""The inputs of TRL's loss for one iteration, in each `step_batching` mode: the rows `hgpo_trl.training.step_batches`
+chooses, as tensors, with the token count the loss divides by and the log-probabilities it reads beside them: old
+(the policy before this iteration's updates), reference (the KL term), sampling (vLLM's own) and vLLM's
+importance-sampling ratio, computed with GRPOTrainer's own forward pass (`_get_per_token_logps_and_entropies`)
+when, and as, the parent computes them. Each function takes the trainer whose batches it builds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import pad, use_adapter
+
+from hgpo_trl.rollout.lockstep import Completion, Rollout
+from hgpo_trl.training.balance import TrainingRows, balanced_rows, own_rows
+from hgpo_trl.training.metrics import SampleCounts
+from hgpo_trl.training.step_batches import importance_sampling_ratio, sampling_metrics, select_budget
+
+# The keys of the generation dict that GRPOTrainer's loss reads (tests/test_trainer.py pins them).
+LOSS_INPUT_KEYS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                   "num_items_in_batch", "old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps",
+                   "importance_sampling_ratio")
+
+
+def budget_inputs(trainer, rollout: Rollout, advantages: np.ndarray) -> tuple[dict, np.ndarray, SampleCounts]:
+    """fixed_budget: the loss's inputs for one pass of TRL's buffer (per_device_train_batch_size x
+    steps_per_generation rows), the indices of the steps drawn into it, and how the steps became samples."""
+    args = trainer.args
+    budget = args.per_device_train_batch_size * args.steps_per_generation
+    per_generation = args.steps_per_generation * trainer.num_iterations
+    selected = select_budget(len(rollout.steps), budget, trainer._sample_rng)
+    steps, padding = [rollout.steps[i] for i in selected], budget - len(selected)
+    # Padding rows are masked out of the loss (completion_mask 0, advantage 0): every process keeps the same
+    # number of samples, so forward passes stay in step (ZeRO-3) and TRL's batch split drops nothing.
+    output = trainer._samples([s.completion for s in steps], advantages[selected], padding)
+    output["num_items_in_batch"] = trainer.accelerator.gather(output["completion_mask"].sum()).sum()
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
+        output.update(trainer._logprob_inputs(output, [s.completion for s in steps],
+                                              old=args.gradient_accumulation_steps % per_generation != 0))
+    samples = SampleCounts(kept=len(selected), padded_fraction=padding / budget,
+                           optimizer_steps=per_generation // args.gradient_accumulation_steps)
+    return output, selected, samples
+
+
+def all_steps_counts(collected: int, rows: TrainingRows, plan: list[np.ndarray], windows: int, args,
+                     num_iterations: int) -> SampleCounts:
+    """all_steps: how this process's `collected` steps became samples: `rows` (its own or, balanced, its share of
+    all), planned as `plan` in `windows` optimizer steps (per pass over the iteration; `num_iterations` passes)."""
+    trained = sum(len(chunk) for chunk in plan)
+    slots = windows * args.gradient_accumulation_steps * args.per_device_train_batch_size
+    return SampleCounts(kept=collected, duplicated=rows.copies + trained - len(rows.completions),
+                        padded_fraction=1.0 - trained / max(slots, 1), optimizer_steps=windows * num_iterations,
+                        token_spread=rows.token_spread)
+
+
+def all_steps_inputs(trainer, rows: TrainingRows, plan: list[np.ndarray], windows: int) -> list[dict]:
+    """all_steps: the loss's inputs of every micro-batch of `plan` (positions in `rows`), then micro-batches of
+    padding alone up to `windows` windows of gradient_accumulation_steps (the busiest process's count, run by
+    every process), the whole repeated `num_iterations` times. Log-probabilities are taken here, before the first
+    update."""
+    args, micro, accumulation = trainer.args, trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps
+    plan = plan + [np.zeros(0, dtype=np.int64)] * (windows * accumulation - len(plan))
+    chunks = [[rows.completions[i] for i in positions] for positions in plan]
+    # Every micro-batch holds `micro` rows on every process (TRL gathers per-row loss metrics): a short one is
+    # filled with masked rows, and one of padding alone is 2 tokens wide.
+    micro_batches = [trainer._samples(chunk, rows.advantages[positions], padding=micro - len(positions))
+                     for chunk, positions in zip(chunks, plan, strict=True)]
+    for micro_batch, positions in zip(micro_batches, plan, strict=True):  # which steps each row trains (-1: padding)
+        micro_batch["step_rows"] = torch.from_numpy(
+            np.r_[rows.ids[positions], np.full(micro - len(positions), -1)].astype(np.int64))
+    # dapo divides by num_items_in_batch / processes x accumulation / steps_per_generation: make that the
+    # mini-batch's mean token count per process, so the summed micro-batch losses are its token mean.
+    tokens = torch.stack([sum(m["completion_mask"].sum() for m in micro_batches[w * accumulation:(w + 1) * accumulation])
+                          for w in range(windows)]).float()
+    tokens = trainer.accelerator.reduce(tokens, reduction="sum") * args.steps_per_generation / accumulation
+    old = windows * trainer.num_iterations > 1 or (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
+        for k, (micro_batch, chunk) in enumerate(zip(micro_batches, chunks, strict=True)):
+            micro_batch["num_items_in_batch"] = tokens[k // accumulation]
+            micro_batch.update(trainer._logprob_inputs(micro_batch, chunk, old=old))
+    return micro_batches * trainer.num_iterations
+
+
+def training_rows(trainer, rollout: Rollout, advantages: np.ndarray) -> TrainingRows:
+    """all_steps: the rows this process trains in the iteration: the steps it played, or with `balance_steps`
+    its share of every process's (filled as `fill_last_micro_batch` says, over all processes)."""
+    args, processes = trainer.args, trainer.accelerator.num_processes
+    if not args.balance_steps:
+        return own_rows(rollout.steps, advantages)
+    return balanced_rows(trainer.accelerator, rollout.steps, advantages, fill=args.fill_last_micro_batch,
+                         fill_multiple=args.fill_multiple or args.per_device_train_batch_size * processes,
+                         seed=(args.seed, trainer._iteration), partition=args.balance_partition)
+
+
+def logprob_inputs(trainer, samples: dict[str, torch.Tensor], completions: list[Completion],
+                   old: bool) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
+    """The log-probability inputs of `samples` (whose real rows are `completions`; the rest padding) and, under vLLM's
+    importance-sampling correction, TRL's `sampling/*` metrics of the batch (else None). `old`: the loss needs
+    the old log-probabilities (more than one optimizer step per generation). Call under no_grad, with gradient
+    checkpointing off."""
+    out: dict[str, torch.Tensor] = {}
+    input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)
+    attention_mask = torch.cat([samples["prompt_mask"], samples["completion_mask"]], dim=1)
+    width = samples["completion_ids"].size(1)
+
+    def per_token_logps(model) -> torch.Tensor:
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, width, batch_size=trainer.args.per_device_train_batch_size)
+        return logps
+
+    is_correction = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    if old or is_correction:
+        out["old_per_token_logps"] = per_token_logps(trainer.model)
+    if trainer.beta != 0.0:
+        if trainer.ref_model is not None:
+            out["ref_per_token_logps"] = per_token_logps(trainer.ref_model)
+        else:  # PEFT, as TRL: a new adapter's reference is the base model (adapter disabled); a model passed
+            # in with its adapter already trained has TRL's frozen copy of it, the "ref" adapter
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):
+                out["ref_per_token_logps"] = per_token_logps(trainer.model)
+    if trainer.use_vllm and completions and all(c.logprobs is not None for c in completions):
+        # Passed whenever the backend gave them, as TRL does (its off-policy mask reads them).
+        sampled = [torch.tensor([float("nan") if x is None else x for x in c.logprobs]) for c in completions]
+        sampled += [torch.zeros(1)] * (input_ids.size(0) - len(completions))
+        out["sampling_per_token_logps"] = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
+    if not is_correction:
+        return out, None
+    sampling = out.get("sampling_per_token_logps", out["old_per_token_logps"])  # (padding alone: no vLLM rows)
+    out["importance_sampling_ratio"] = importance_sampling_ratio(
+        out["old_per_token_logps"], sampling, samples["completion_mask"], trainer.vllm_importance_sampling_mode,
+        trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max)
+    out["sampling_per_token_logps"] = sampling
+    return out, sampling_metrics(out["old_per_token_logps"], sampling, out["importance_sampling_ratio"],
+                                 samples["completion_mask"])
+
+
+@contextmanager
+def completion_positions_only() -> Iterator[None]:
+    """TRL's fused LM head scores only the completion positions where Triton runs, and every position elsewhere,
+    to keep tile shapes fixed for compilers such as Neuron's. A CPU compiles nothing: there it scores the
+    completions only too, with the same log-probabilities (a micro-batch of 5 x 800 tokens over Qwen's 151,936
+    rows: 39 s of forward and backward on one core, 0.5 s this way)."""
+    import trl.trainer.utils as trl_utils
+
+    original = getattr(trl_utils, "_use_triton", None)
+    if original is None:  # a TRL that decides otherwise
+        yield
+        return
+    trl_utils._use_triton = lambda device: torch.device(device).type == "cpu" or original(device)
+    try:
+        yield
+    finally:
+        trl_utils._use_triton = original
