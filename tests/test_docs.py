@@ -48,6 +48,31 @@ def test_every_path_the_docs_and_docstrings_name_exists():
     assert not missing, "\n".join(sorted(missing))
 
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def headings(doc: Path) -> set[str]:
+    """The anchors of `doc`'s headings, as GitHub makes them: lower case, punctuation dropped, spaces to '-'."""
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#+ (.*)$", FENCE.sub("", doc.read_text()), re.M)}
+
+
+def test_every_link_in_the_docs_reaches_its_file_and_heading():
+    """The README is a front page of links (issue 54): each relative link names a file that exists and, with a
+    #fragment, one of its headings."""
+    broken = []
+    for doc in [*DOCS, ROOT / "tests" / "README.md"]:
+        for target in LINK.findall(FENCE.sub("", doc.read_text())):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            file, _, fragment = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.exists() or (fragment and path.suffix == ".md" and fragment not in headings(path)):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+    assert "set-up" in headings(ROOT / "docs" / "getting-started.md")  # (the check reads headings at all)
+
+
 def blocks():
     for doc in DOCS:
         text = doc.read_text()
