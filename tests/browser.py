@@ -74,10 +74,13 @@ class Browser:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    def open(self, path: Path, timeout: float = 60.0) -> float:
-        """Load `path` and wait until the page says it is drawn (body[data-ready]); the seconds it took."""
+    def open(self, path: Path, fragment: str = "", timeout: float = 60.0) -> float:
+        """Load `path` (with `#fragment`, as a link names it) and wait until the page says it is drawn
+        (body[data-ready]); the seconds it took. Through about:blank, so that the same page with another fragment
+        loads anew, as a link opened in a new tab does."""
         start = time.perf_counter()
-        self.call("Page.navigate", {"url": path.resolve().as_uri()})
+        self.call("Page.navigate", {"url": "about:blank"})
+        self.call("Page.navigate", {"url": path.resolve().as_uri() + (f"#{fragment}" if fragment else "")})
         while self.evaluate("document.readyState === 'complete' && document.body.dataset.ready === '1'") is not True:
             if time.perf_counter() - start > timeout:
                 raise TimeoutError(f"{path} was not drawn within {timeout} s")

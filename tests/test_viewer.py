@@ -97,7 +97,7 @@ def test_the_page_is_self_contained_and_holds_hostile_text_as_data(tmp_path):
     code = re.sub(r'<script type="application/json".*?</script>', "", page, flags=re.S)
     assert not re.search(r"(src|href)=|https?://|@import|url\(|fetch\(|XMLHttp", code)  # nothing fetched
     meta, dump = data_blocks(page)
-    assert meta == [{"name": "iter_000001", "summary": view_data("x", records)["summary"]}]
+    assert meta == [{"name": "iter_000001", "summary": view_data("x", records)["summary"], "training": False}]
     assert dump == {"episodes": view_data("iter_000001", records)["episodes"]}
     texts = {st["output"] for ep in dump["episodes"] for st in ep["steps"]}
     assert set(HOSTILE) <= texts and HOSTILE[0] in dump["episodes"][0]["task"]
@@ -183,5 +183,57 @@ def test_the_page_in_headless_chromium(tmp_path):
         print(f"paper-sized dump: drawn in {seconds:.2f} s, episode and step selected in "
               f"{time.perf_counter() - tick:.2f} s")
         assert seconds < 20
+    finally:
+        browser.close()
+
+
+# What the page shows: the dump, the episode and the selected step (None: no step selected), and its link line.
+SHOWN = ("[document.getElementById('dump').selectedOptions[0].text.split(' ')[0], "
+         "document.querySelector('#detail h2').innerText.split(' · ')[0], "
+         "(document.querySelector('.stepcard.sel .stephead') || {innerText: 'step null'}).innerText.split(' ')[1], "
+         "document.getElementById('link').textContent]")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(BINARY is None, reason=MISSING)
+def test_a_runs_page_opens_on_its_newest_training_iteration_and_its_address_is_a_link_to_what_it_shows(tmp_path):
+    # Issue 55 item 18: the page opened on the newest dump, an evaluation's (one episode a task: no groups, every
+    # advantage "-"), and no address could name a dump or an episode.
+    run = tmp_path / "run"
+    training, _ = hgpo_records()
+    for name, records in (("iter_000001", training), ("iter_000011", training),
+                          ("eval_step_000020", scripted_records())):  # an evaluation's: no advantages
+        write_records(run / "trajectories" / f"{name}.jsonl", records)
+    page = to_html(run)
+    browser = Browser(tmp_path / "profile")
+    try:
+        browser.open(page)
+        assert browser.evaluate(SHOWN) == ["iter_000011", "episode 0", "null", ""]
+        assert browser.evaluate("location.hash") == "#dump=iter_000011&episode=0"
+        assert browser.evaluate("document.querySelectorAll('td.cell.pos, td.cell.neg').length") > 0
+
+        # A person chooses a dump, an episode and a step: the address names them, and opens them again.
+        browser.evaluate("(s => { s.value = 0; s.dispatchEvent(new Event('change')); })"
+                         "(document.getElementById('dump'))")
+        browser.click('#overview .ep[data-ei="1"]')
+        browser.click('td.cell[data-ei="1"][data-si="2"]')
+        assert browser.evaluate("location.hash") == "#dump=iter_000001&episode=1&step=2"
+        shown = browser.evaluate(SHOWN)
+        browser.open(page, "dump=iter_000001&episode=1&step=2")
+        assert browser.evaluate(SHOWN) == shown == ["iter_000001", "episode 1", "2", ""]
+        browser.evaluate("location.hash = '#dump=eval_step_000020&episode=0'")  # edited in the address bar
+        for _ in range(100):
+            if browser.evaluate(SHOWN)[0] == "eval_step_000020":
+                break
+            time.sleep(0.05)
+        assert browser.evaluate(SHOWN) == ["eval_step_000020", "episode 0", "null", ""]
+
+        # A link to what the page does not hold says so in one line and shows what it would have shown.
+        browser.open(page, "dump=iter_000099&episode=1")
+        assert browser.evaluate(SHOWN) == ["iter_000011", "episode 0", "null",
+                                           "the link's dump iter_000099 is not on this page"]
+        browser.open(page, "dump=eval_step_000020&episode=7&step=0")
+        assert browser.evaluate(SHOWN) == ["eval_step_000020", "episode 0", "null",
+                                           "the link's episode 7 is not in eval_step_000020"]
     finally:
         browser.close()

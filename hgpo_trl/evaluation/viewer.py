@@ -5,7 +5,8 @@ The dumps travel as JSON inside `<script type="application/json">` elements, one
 dump is chosen, so a page of several paper-sized dumps (16 x 8 episodes of up to 50 steps each) opens quickly;
 every `<`, `>` and `&` is written as a JSON escape, so no text of a dump (a prompt holding `</script>`) can end
 its element, and the page's script puts every text into the page as text, never as markup.
-`hgpo_trl.evaluation.trajectories.to_html` prepares the dumps (`view_data`) and writes the file.
+`hgpo_trl.evaluation.trajectories.to_html` prepares the dumps (`view_data`) and writes the file. The page's address
+names what it shows (`trajectories.html#dump=iter_000010&episode=3&step=2`), so a link opens it again.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ def script_json(value: Any) -> str:
 
 
 def render(dumps: Sequence[Mapping[str, Any]]) -> str:
-    """The page for `dumps`, each {"name", "summary", "episodes"} (`view_data`), the first one shown."""
-    meta = [{"name": d["name"], "summary": d["summary"]} for d in dumps]
+    """The page for `dumps`, each {"name", "summary", "episodes"} (`view_data`), oldest first. It opens on the
+    newest training iteration's (one with advantages: an evaluation's has one episode a task, no groups and no
+    advantages), else on the newest, unless its address names a dump."""
+    meta = [{"name": d["name"], "summary": d["summary"],
+             "training": any(st["advantage"] is not None for ep in d["episodes"] for st in ep["steps"])}
+            for d in dumps]
     blocks = [f'<script type="application/json" id="meta">{script_json(meta)}</script>']
     blocks += [f'<script type="application/json" id="dump-{i}">{script_json({"episodes": d["episodes"]})}</script>'
                for i, d in enumerate(dumps)]
