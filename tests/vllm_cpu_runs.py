@@ -77,14 +77,31 @@ def evaluations(path: Path, out: Path) -> dict:
     return reports
 
 
+def teacher_forced(model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[tuple]:
+    """The trainer model's logits at each completion token, teacher-forced, beside the tokens."""
+    with torch.no_grad():
+        return [(model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1].float(),
+                 torch.tensor(completion)) for prompt, completion in zip(prompt_ids, completion_ids, strict=True)]
+
+
 def completion_logprobs(model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[list[float]]:
     """The trainer model's log-probability of each completion token, teacher-forced."""
-    rows = []
-    with torch.no_grad():
-        for prompt, completion in zip(prompt_ids, completion_ids, strict=True):
-            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1: -1].float()
-            rows.append(logits.log_softmax(-1)[torch.arange(len(completion)), torch.tensor(completion)].tolist())
-    return rows
+    return [logits.log_softmax(-1)[torch.arange(len(ids)), ids].tolist()
+            for logits, ids in teacher_forced(model, prompt_ids, completion_ids)]
+
+
+def greedy_margins(model, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> dict:
+    """At each token of greedy completions, teacher-forced in the trainer model: how far its log-probability falls
+    short of the model's top one (0.0: the model's own greedy choice), the model's margin between its top two
+    tokens, and the largest logit's magnitude (which sets bfloat16's rounding)."""
+    shortfalls, margins, scale = [], [], 0.0
+    for logits, ids in teacher_forced(model, prompt_ids, completion_ids):
+        logprobs = logits.log_softmax(-1)
+        top = logprobs.topk(2, dim=-1).values
+        shortfalls.append((top[:, 0] - logprobs[torch.arange(len(ids)), ids]).tolist())
+        margins.append((top[:, 0] - top[:, 1]).tolist())
+        scale = max(scale, logits.abs().max().item())
+    return {"shortfalls": shortfalls, "margins": margins, "logit_scale": scale}
 
 
 def largest_gap(a: list[list[float]], b: list[list[float]]) -> float:
@@ -124,6 +141,8 @@ def sync_probe(trainer: HGPOTrainer) -> dict:
             "stale_gap": largest_gap(stale, completion_logprobs(model, prompt_ids, stale_ids)),
             "synced_gap": largest_gap(synced, completion_logprobs(model, prompt_ids, synced_ids)),
             "synced_ids": [list(ids) for ids in synced_ids], "hf_ids": hf_ids,
+            "synced_greedy": greedy_margins(model, prompt_ids, synced_ids),
+            "stale_greedy": greedy_margins(model, prompt_ids, stale_ids),
             "stale_ids": [list(ids) for ids in stale_ids]}
 
 
