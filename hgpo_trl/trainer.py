@@ -31,6 +31,7 @@ from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
 from hgpo_trl.evaluation.protocol import play_shared, validation_metrics
 from hgpo_trl.evaluation.trajectories import rollout_records, write_records
 from hgpo_trl.models.model_card import write_model_card
+from hgpo_trl.models.pretrained import pretrained_or_same
 from hgpo_trl.rollout.generation import generation_settings, trainer_rollout
 from hgpo_trl.rollout.lockstep import Completion, Rollout
 from hgpo_trl.rollout.sampler import TaskSampler
@@ -84,6 +85,7 @@ class HGPOTrainer(GRPOTrainer):
                  processing_class=None, callbacks=None, optimizers=(None, None), peft_config=None,
                  env_factory: Callable[[], TextEnv] | None = None, environment_factory=None):
         check_trainer_arguments(args, train_dataset)
+        model = pretrained_or_same(model)  # a model the project knows by name, or a .gguf file: its folder
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
         with transformers_bars_as_ours(args.disable_tqdm), vllm_starting(args.use_vllm):  # (the reference, vLLM)

@@ -24,6 +24,7 @@ from trl import ModelConfig
 from hgpo_trl.commands.parser import HELP_ALL, ConfigError, SectionParser, invocation, with_full_help
 from hgpo_trl.envs.registry import registered_envs
 from hgpo_trl.models.export import ADAPTER_CONFIG
+from hgpo_trl.models.pretrained import PretrainedModelError, is_pretrained_name, pretrained_folder
 
 if TYPE_CHECKING:
     from hgpo_trl.config import HGPOConfig
@@ -146,7 +147,7 @@ def parse(argv: list[str] | None = None) -> tuple[EnvArguments, HGPOConfig, Mode
     """Parse YAML + overrides; every problem is a ConfigError that names the field, raised before any model
     is loaded."""
     _, env_args, args, model_args = parse_sections(argv, (RehearsalArguments,), "train.py")
-    check_model_path(model_args.model_name_or_path)
+    model_args.model_name_or_path = checked_model_path(model_args.model_name_or_path)
     return env_args, args, model_args
 
 
@@ -363,30 +364,37 @@ def _accepted(hint: Any) -> tuple[type, ...]:
     return tuple(accepted)
 
 
-def check_model_path(name: str | None, what: str = "ModelConfig.model_name_or_path") -> None:
-    """A ConfigError unless `name` is 'tiny', a folder holding a model (config.json) or a LoRA adapter whose base
-    model passes this check too, or a hub id (offline: one in the Hugging Face cache)."""
+def checked_model_path(name: str | None, what: str = "ModelConfig.model_name_or_path") -> str:
+    """What to load for `name`, or a ConfigError: 'tiny'; a folder holding a model (config.json) or a LoRA adapter
+    whose base model passes this check too; a hub id (offline: one in the Hugging Face cache); a model the project
+    knows by name or a .gguf file, as its folder (hgpo_trl/models/pretrained.py: converted on first use)."""
     from huggingface_hub import is_offline_mode, try_to_load_from_cache
 
     if not name:
         raise ConfigError(f"{what} is required: a hub id, a local path (a model folder, a run's output_dir or "
                           "checkpoint, a LoRA adapter folder), or 'tiny'")
     if name == TINY:
-        return
+        return name
+    if is_pretrained_name(name):
+        try:
+            return pretrained_folder(name)
+        except PretrainedModelError as err:
+            raise ConfigError(f"{what}: {err}") from None
     path = Path(name).expanduser()
     if path.is_dir():
         if (path / ADAPTER_CONFIG).is_file():
             base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
-            check_model_path(base, f"the base model named in {path / ADAPTER_CONFIG}")
+            checked_model_path(base, f"the base model named in {path / ADAPTER_CONFIG}")
         elif not (path / "config.json").is_file():
             inside = sorted(p.parent.name for p in path.glob("*/config.json"))
             hint = f"; models inside it: {', '.join(inside)}" if inside else ""
             raise ConfigError(f"{what}: {path} holds no model (config.json) and no LoRA adapter ({ADAPTER_CONFIG})"
                               f"{hint}")
-        return
+        return name
     # A hub id is "name" or "org/name"; a deeper path, or one under an existing folder, was meant as a folder.
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name.split("/")[0]).is_dir():
         raise ConfigError(f"{what}: {path} does not exist; expected a checkpoint, model or LoRA adapter folder")
     if is_offline_mode() and not isinstance(try_to_load_from_cache(name, "config.json"), str):
         raise ConfigError(f"{what}: {name!r} is not a folder, and no model of that hub id is in the Hugging Face "
                           "cache (HF_HUB_OFFLINE is set)")
+    return name

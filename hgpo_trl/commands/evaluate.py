@@ -46,7 +46,7 @@ from hgpo_trl.commands.arguments import (
     ConfigError,
     EnvArguments,
     EvalArguments,
-    check_model_path,
+    checked_model_path,
     did_you_mean,
     entry_point_scope,
     parse_sections,
@@ -122,7 +122,7 @@ def checked(eval_args: EvalArguments, env_args: EnvArguments, args: HGPOConfig, 
     if eval_args.num_envs is not None and eval_args.num_envs < 1:
         raise ConfigError(f"EvalArguments.num_envs must be None or an integer >= 1, got {eval_args.num_envs}")
     if "model" in eval_args.policy and not model_in_memory:
-        check_model_path(model_args.model_name_or_path)
+        model_args.model_name_or_path = checked_model_path(model_args.model_name_or_path)
     splits = eval_args.splits or DEFAULT_SPLITS.get(args.env_name, (env_args.eval_split,))
     if None in splits:
         raise ConfigError(f"EvalArguments.splits: environment {args.env_name!r} has no default evaluation split and "

@@ -9,6 +9,8 @@ from typing import Any
 
 import yaml
 
+from hgpo_trl.models.pretrained import source_description
+
 ESTIMATOR_NAMES = {"hgpo": "HGPO (Hierarchy-of-Groups Policy Optimization)", "gigpo": "GiGPO (Group-in-Group Policy "
                    "Optimization)", "grpo": "GRPO (trajectory-level group advantages)", "progpo": "ProGPO"}
 
@@ -36,7 +38,8 @@ def base_model_line(base_model: str) -> tuple[str | None, str]:
     if not base_model:
         return None, "a model built in memory (e.g. `hgpo_trl.models.tiny.make_tiny`), not a hub checkpoint"
     if Path(base_model).expanduser().exists():
-        return None, f"the local model folder `{base_model}`"
+        converted = source_description(Path(base_model).expanduser())
+        return None, f"{converted} (the folder `{base_model}`)" if converted else f"the local model folder `{base_model}`"
     return base_model, f"[{base_model}](https://huggingface.co/{base_model})"
 
 
