@@ -27,7 +27,7 @@ _PUBLIC = {
     "StepBatch": "hgpo_trl.advantages", "compute_advantages": "hgpo_trl.advantages",
     "register_estimator": "hgpo_trl.advantages",
     "make_tiny": "hgpo_trl.models.tiny", "warm_start": "hgpo_trl.models.warmstart",
-    "merge_adapter": "hgpo_trl.models.export",
+    "merge_adapter": "hgpo_trl.models.export", "pretrained_folder": "hgpo_trl.models.pretrained",
     "evaluate_model": "hgpo_trl.commands.evaluate",
     "plot_learning": "hgpo_trl.training.reporting",
 }
