@@ -105,7 +105,8 @@ class TRLEnv:
 
     `tool_format`: "json" or "call" (module docstring; "auto", chosen by the trainer from the chat template, is
     "call" here); `done`: the member that ends the episode (None: only an
-    answer without a tool call); `max_steps`: the calls of an episode, then it is truncated."""
+    answer without a tool call); `max_steps`: the steps of an episode, then it is truncated (an output that did
+    not parse is a step, as the rollout counts it; the trainer caps it at `max_env_steps`)."""
 
     def __init__(self, environment_factory: Any = None, *, tool_format: str = "auto", done: str | None = "done",
                  max_steps: int = 50):
@@ -188,9 +189,24 @@ class TRLEnv:
     def step(self, action: str | None) -> tuple[str, float, bool, bool, Info]:
         if self._env is None:
             raise RuntimeError("step before reset")
-        if action is None or self._done:  # an output that did not parse: nothing is sent
-            return self._observation, 0.0, self._done, False, self._info(False)
+        if self._done:  # (a finished episode takes no call)
+            return self._observation, 0.0, True, False, self._info(False)
+        # An output that did not parse (None: nothing is sent) is a step too: the rollout counts it against
+        # max_env_steps, so the episode's last step is the same here and there, and get_reward() is scored on it.
         self._steps += 1
+        reward, invalid = self._call(action) if action is not None else (0.0, False)
+        truncated = not self._done and self._steps >= self.max_steps
+        if self._done or truncated:
+            final = float(_member(self._env, "get_reward", 0.0) or 0.0)
+            reward += final
+            self._won = bool(_member(self._env, "won", final > 0))
+        terminated = self._done
+        self._done = self._done or truncated
+        return self._observation, reward, terminated, truncated, self._info(invalid)
+
+    def _call(self, action: str) -> tuple[float, bool]:
+        """Play the tool call `action` (the observation, the done flag and the path's digest follow it); its step
+        reward and whether it was an invalid move."""
         invalid, reward = False, 0.0
         try:
             call = read_call(action, self.tool_format)
@@ -208,14 +224,7 @@ class TRLEnv:
             self._observation = result if isinstance(result, str) else str(result)
             self._done = bool(_member(self._env, self.done_name, False))
         self._digest.update(json.dumps([action, self._observation]).encode())
-        truncated = not self._done and self._steps >= self.max_steps
-        if self._done or truncated:
-            final = float(_member(self._env, "get_reward", 0.0) or 0.0)
-            reward += final
-            self._won = bool(_member(self._env, "won", final > 0))
-        terminated = self._done
-        self._done = self._done or truncated
-        return self._observation, reward, terminated, truncated, self._info(invalid)
+        return reward, invalid
 
     def render_prompt(self, task: str, history: Sequence[tuple[str, str]], observation: str,
                       admissible: Sequence[str], step: int) -> str:
@@ -260,6 +269,15 @@ def trl_tasks(split: str = "train", *, rows: Any = None, data_files: Any = None)
         raise ValueError(f"task_kwargs data_files: {source!r}: {str(err).splitlines()[0]}") from None
 
 
+def within_episode_limit(options: Mapping[str, Any] | None, max_env_steps: int) -> dict[str, Any]:
+    """A TRL environment's options with `max_steps` at most `max_env_steps` (its default): the rollout ends an
+    episode there, so the class's own end, where get_reward() is scored, must not come later."""
+    options = dict(options or {})
+    asked = options.get("max_steps", max_env_steps)
+    options["max_steps"] = min(asked, max_env_steps) if isinstance(asked, int) else asked  # (TRLEnv refuses others)
+    return options
+
+
 def tool_setup(options: Mapping[str, Any], tokenizer: Any,
                chat_template_kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """A TRL environment's options and the chat-template options for `tokenizer`'s model: `tool_format` "auto"
@@ -288,6 +306,5 @@ def trainer_environment(trainer: Any, env_factory: Callable | None,
         return env_factory or partial(make_env, args.env_name, **options), dict(chat_template_kwargs)
     if environment_factory is not None:
         options["environment_factory"] = environment_factory
-    options.setdefault("max_steps", args.max_env_steps)
-    options, kwargs = tool_setup(options, trainer.processing_class, chat_template_kwargs)
+    options, kwargs = tool_setup(within_episode_limit(options, args.max_env_steps), trainer.processing_class, chat_template_kwargs)
     return partial(TRLEnv, **options), kwargs

@@ -58,7 +58,7 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env
 from hgpo_trl.envs.pool import default_worker_count, make_env_batch
 from hgpo_trl.envs.registry import is_fast_env
-from hgpo_trl.envs.trl_env import tool_setup
+from hgpo_trl.envs.trl_env import tool_setup, within_episode_limit
 from hgpo_trl.evaluation.protocol import (
     DEFAULT_SPLITS,
     percent,
@@ -211,10 +211,9 @@ def run(evaluation: Evaluation) -> dict[str, Any]:
     largest = max(len(tasks) for tasks in evaluation.tasks.values())
     num_envs = min(eval_args.num_envs or args.tasks_per_device * args.num_generations, largest)
     workers = args.env_workers if args.env_workers is not None else default_worker_count(is_fast_env(args.env_name))
-    options = args.env_kwargs
+    options = within_episode_limit(args.env_kwargs, args.max_env_steps) if args.env_name == "trl" else args.env_kwargs
     if model is not None and args.env_name == "trl":  # a TRL class: the tool format and tools it trained with
-        options, model.chat_template_kwargs = tool_setup({"max_steps": args.max_env_steps, **(options or {})},
-                                                         model.tokenizer, model.chat_template_kwargs)
+        options, model.chat_template_kwargs = tool_setup(options, model.tokenizer, model.chat_template_kwargs)
     dumps = evaluation.output_dir / "trajectories" if args.trajectory_dump_every else None
     results = []
     for policy in eval_args.policy:

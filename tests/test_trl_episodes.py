@@ -1,0 +1,62 @@
+"""A TRL class's episodes as the rollout plays them (envs/trl_env.py): the final reward wherever the episode ends,
+the classes refused up front, the row's whole prompt, and calls compared as parsed calls, not as text."""
+
+import re
+
+from hgpo_trl.envs import TRLEnv
+from hgpo_trl.envs.pool import make_env_batch
+from hgpo_trl.envs.trl_env import within_episode_limit
+from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
+from tests.test_trl_env import ROWS
+
+REWARDS: list[float] = []  # every get_reward() result, in call order
+
+
+class Buttons:
+    """Press buttons; get_reward() counts the presses."""
+
+    def reset(self, **row) -> str:
+        self.presses = 0
+        return "Two buttons."
+
+    def press(self, button: str) -> str:
+        """Press a button.
+
+        Args:
+            button: which one.
+        """
+        self.presses += 1
+        return f"{button} pressed."
+
+    def get_reward(self) -> float:
+        REWARDS.append(float(self.presses))
+        return float(self.presses)
+
+
+def step(prompt: str) -> int:
+    """The rollout's step number, as the prompt shows it."""
+    return int(re.search(r"^Step (\d+)\.$", prompt, re.M).group(1))
+
+
+def test_get_reward_is_scored_when_the_rollout_truncates_after_an_unreadable_output():
+    """max_env_steps 3 under noop: one output that does not parse, then two calls. The episode's third step is its
+    last; get_reward() (2 presses) is added there, once per episode."""
+    outputs = ["no reasoning, no call", "<think> </think>press(button='up')", "<think> </think>press(button='up')"]
+    REWARDS.clear()
+    with make_env_batch(lambda: TRLEnv(Buttons, max_steps=3), 2, 0) as envs:
+        rollout = run_rollout(envs, ROWS[:1], 2, lambda prompts: [Completion(outputs[step(p)]) for p in prompts],
+                              RolloutSettings(action_mode="tool", max_steps=3, invalid_action="noop"))
+    assert [(e.steps, e.truncated, e.total_reward) for e in rollout.episodes] == [(3, True, 2.0)] * 2
+    assert REWARDS == [2.0, 2.0]
+
+
+def test_the_class_never_plays_past_max_env_steps(tmp_path, tiny_model, tiny_tokenizer):
+    """The rollout ends an episode at max_env_steps: a larger max_steps in env_kwargs would let the rollout cut
+    the episode before the class's own end, and its get_reward() would never be scored."""
+    from tests.test_trainer import make_config, make_trainer
+
+    args = make_config(tmp_path, action_mode="tool", max_env_steps=3, env_kwargs={"max_steps": 10})
+    trainer = make_trainer(tiny_model, tiny_tokenizer, args, environment_factory=Buttons)
+    assert trainer.env_factory().max_steps == 3
+    assert within_episode_limit({"max_steps": 2}, 3) == {"max_steps": 2} and within_episode_limit(None, 3) == {
+        "max_steps": 3}  # (a smaller limit is the class's own)
