@@ -16,7 +16,8 @@ does not take for tools either): `done` (the name is the `done` option; an attri
 a call ends the episode; None: only an answer without a call ends it), `step_reward` (a step's reward, read
 after each call), `state_key` (what GiGPO's and HGPO's groups compare, `info["anchor"]`; default: a digest of
 the reset text and every (call, result) so far), `won` (the episode's success; default: a final reward > 0).
-`get_reward()` is added to the last step's reward.
+`get_reward()` is added to the last step's reward. A class with neither `get_reward` nor `step_reward`, or whose
+`done` is a method taking arguments, is refused when built: every episode would score 0 or fail.
 """
 
 from __future__ import annotations
@@ -129,10 +130,29 @@ class TRLEnv:
     def _tools(self, name: Any) -> tuple[dict[str, Callable], list[dict]]:
         if name not in self._instances:
             self._instances[name] = self._factories[name]()
-            if not callable(getattr(self._instances[name], "reset", None)):
-                raise ValueError(f"environment_factory {self._owner(name)}: the class needs a reset method")
+            self._check_class(name)
         tools = environment_tools(self._instances[name], self.done_name)
         return tools, tool_schemas(tools, self._owner(name))
+
+    def _check_class(self, name: Any) -> None:
+        """What would fail every episode, refused in one line before any runs."""
+        owner, instance, missing = self._owner(name), self._instances[name], object()
+        if not callable(getattr(instance, "reset", None)):
+            raise ValueError(f"environment_factory {owner}: the class needs a reset method")
+        # TRL also takes rewards from reward_funcs(environments=...); HGPOTrainer does not (docs/byo_env.md).
+        if not callable(getattr(type(instance), "get_reward", None)) and \
+                inspect.getattr_static(instance, "step_reward", missing) is missing:
+            raise ValueError(f"environment_factory {owner}: no reward source: give the class a get_reward() method "
+                             "or a step_reward member (HGPOTrainer takes rewards from the environment, not "
+                             "reward_funcs: docs/byo_env.md)")
+        done = inspect.getattr_static(type(instance), self.done_name or "", None)
+        if inspect.isfunction(done):
+            needed = [p.name for p in list(inspect.signature(done).parameters.values())[1:]
+                      if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+            if needed:
+                raise ValueError(f"environment_factory {owner}: {self.done_name}({', '.join(needed)}) takes "
+                                 "arguments, but the episode's end is read by calling it with none after each call; "
+                                 f"to offer it as a tool, set env_kwargs done: null (or the member that ends it)")
 
     def _owner(self, name: Any) -> str:
         factory = self._factories[name]

@@ -3,17 +3,19 @@ the classes refused up front, the row's whole prompt, and calls compared as pars
 
 import re
 
-from hgpo_trl.envs import TRLEnv
+import pytest
+
+from hgpo_trl.envs import TRLEnv, make_env
 from hgpo_trl.envs.pool import make_env_batch
 from hgpo_trl.envs.trl_env import within_episode_limit
 from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
-from tests.test_trl_env import ROWS
+from tests.test_trl_env import ROWS, Corridor
 
 REWARDS: list[float] = []  # every get_reward() result, in call order
 
 
-class Buttons:
-    """Press buttons; get_reward() counts the presses."""
+class Presses:
+    """Press buttons (no reward of its own)."""
 
     def reset(self, **row) -> str:
         self.presses = 0
@@ -27,6 +29,10 @@ class Buttons:
         """
         self.presses += 1
         return f"{button} pressed."
+
+
+class Buttons(Presses):
+    """get_reward() counts the presses."""
 
     def get_reward(self) -> float:
         REWARDS.append(float(self.presses))
@@ -60,3 +66,47 @@ def test_the_class_never_plays_past_max_env_steps(tmp_path, tiny_model, tiny_tok
     assert trainer.env_factory().max_steps == 3
     assert within_episode_limit({"max_steps": 2}, 3) == {"max_steps": 2} and within_episode_limit(None, 3) == {
         "max_steps": 3}  # (a smaller limit is the class's own)
+
+
+class Unrewarded(Presses):
+    """A TRL class whose reward TRL would take from reward_funcs(environments=...): none of its own."""
+
+
+class StepRewarded(Presses):
+    def __init__(self):
+        self.step_reward = 1.0  # an attribute: a reward source
+
+
+class Quiz(Buttons):
+    """`done` is a tool with an argument here (TRL would offer it), not the adapter's end-of-episode member."""
+
+    def done(self, answer: str) -> str:
+        """Give the final answer.
+
+        Args:
+            answer: the answer.
+        """
+        return "noted"
+
+
+@pytest.mark.parametrize(("factory", "message"), [
+    (Unrewarded, r"^environment_factory Unrewarded: no reward source: give the class a get_reward\(\) method or "
+                 r"a step_reward member .*not reward_funcs"),
+    ({"keyed": Corridor, "bare": Unrewarded}, r"^environment_factory Unrewarded \(environment 'bare'\): no reward"),
+    (Quiz, r"^environment_factory Quiz: done\(answer\) takes arguments, but the episode's end is read by calling "
+           r"it with none .*env_kwargs done: null"),
+])
+def test_a_class_without_a_reward_or_with_a_done_tool_is_refused_in_one_line(factory, message):
+    with pytest.raises(ValueError, match=message) as error:
+        make_env("trl", environment_factory=factory)
+    assert "\n" not in str(error.value)
+
+
+def test_a_step_reward_alone_is_a_reward_source_and_done_null_offers_done_as_a_tool():
+    env = make_env("trl", environment_factory=StepRewarded)
+    env.reset(ROWS[0])
+    assert env.step("press(button='up')")[1] == 1.0
+    env = make_env("trl", environment_factory=Quiz, done=None)
+    env.reset(ROWS[0])
+    assert set(env._tools_now) == {"press", "done"}
+    assert env.step("done(answer='4')")[:4] == ("noted", 0.0, False, False)
