@@ -257,11 +257,18 @@ class TRLEnv:
 
 
 def _prompt_text(prompt: Any) -> str:
-    """The text of TRL's `prompt` column: a string, or the last user message of a conversation."""
+    """The text of TRL's `prompt` column: a string, or every message of a conversation in order, one a line (TRL
+    renders them all: a system message's rules too), those other than system and user messages after their role."""
     if isinstance(prompt, str):
         return prompt
-    users = [m.get("content", "") for m in prompt or [] if isinstance(m, Mapping) and m.get("role") == "user"]
-    return str(users[-1]) if users else ""
+    lines = []
+    for message in (m for m in prompt or [] if isinstance(m, Mapping)):
+        content = message.get("content") or ""
+        if not isinstance(content, str):  # a list of parts, as multimodal rows write it: their texts
+            content = " ".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping)).strip()
+        role = message.get("role")
+        lines += [content if role in ("system", "user") else f"{role}: {content}"] if content else []
+    return "\n".join(lines)
 
 
 def trl_tasks(split: str = "train", *, rows: Any = None, data_files: Any = None) -> datasets.Dataset:

@@ -110,3 +110,15 @@ def test_a_step_reward_alone_is_a_reward_source_and_done_null_offers_done_as_a_t
     env.reset(ROWS[0])
     assert set(env._tools_now) == {"press", "done"}
     assert env.step("done(answer='4')")[:4] == ("noted", 0.0, False, False)
+
+
+def test_every_message_of_a_rows_conversation_is_in_the_prompt():
+    """TRL renders the row's whole conversation: the system message's rules too, not only the last user message."""
+    conversation = [{"role": "system", "content": "The rules: press up to win."},
+                    {"role": "user", "content": [{"type": "text", "text": "Open the door."}]},
+                    {"role": "assistant", "content": "press(button='down')"}, {"role": "user", "content": "Again."}]
+    env = make_env("trl", environment_factory=Buttons)
+    task = env.reset({"prompt": conversation})[1]["task"]
+    assert task.startswith("The rules: press up to win.\nOpen the door.\nassistant: press(button='down')\nAgain.\n"
+                           "Tools:\n- press(button: string)")
+    assert env.reset({"prompt": conversation[-1:]})[1]["task"].startswith("Again.\nTools:")
