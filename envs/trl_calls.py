@@ -64,6 +64,21 @@ def read_call(text: str, tool_format: str) -> tuple[str, dict[str, Any]] | None:
         raise ValueError(f"unreadable tool call ({str(err).splitlines()[0]}): {line[:80]!r}") from None
 
 
+def call_key(text: str) -> str | None:
+    """What makes two calls the same call, in either format: the tool's name and its arguments, text values
+    stripped (a word-level tokenizer decodes `press(button='up')` as `press ( button = ' up ' )`); None for text
+    that is no readable call."""
+    try:
+        call = read_call(text, "json") or read_call(text, "call")
+    except ValueError:
+        return None
+    if call is None:
+        return None
+    name, arguments = call
+    return json.dumps([name, {k: v.strip() if isinstance(v, str) else v for k, v in arguments.items()}],
+                      sort_keys=True, default=repr)
+
+
 def typed_arguments(arguments: dict[str, Any], schema: dict) -> dict[str, Any]:
     """Text arguments made the schema's numbers and booleans, stripped (a word-level tokenizer decodes `"left"`
     as `" left "`)."""

@@ -15,7 +15,7 @@ Conventions read from the class, never offered as tools (define them as attribut
 does not take for tools either): `done` (the name is the `done` option; an attribute or a method; truthy after
 a call ends the episode; None: only an answer without a call ends it), `step_reward` (a step's reward, read
 after each call), `state_key` (what GiGPO's and HGPO's groups compare, `info["anchor"]`; default: a digest of
-the reset text and every (call, result) so far), `won` (the episode's success; default: a final reward > 0).
+the reset text and every call read so far, parsed (name and arguments, not their spelling), with its result), `won` (the episode's success; default: a final reward > 0).
 `get_reward()` is added to the last step's reward. A class with neither `get_reward` nor `step_reward`, or whose
 `done` is a method taking arguments, is refused when built: every episode would score 0 or fail.
 """
@@ -38,6 +38,7 @@ from hgpo_trl.envs.registry import make_env
 from hgpo_trl.envs.trl_calls import (
     ANSWERS,
     TOOL_FORMATS,
+    call_key,
     enumerable_calls,
     read_call,
     tool_schemas,
@@ -243,7 +244,9 @@ class TRLEnv:
         else:
             self._observation = result if isinstance(result, str) else str(result)
             self._done = bool(_member(self._env, self.done_name, False))
-        self._digest.update(json.dumps([action, self._observation]).encode())
+        key = call_key(action)  # (the call parsed: one written with other spacing is the same call, the same path)
+        if key is not None:  # an unreadable call reached no tool: the path is the same as before it
+            self._digest.update(json.dumps([key, self._observation]).encode())
         return reward, invalid
 
     def render_prompt(self, task: str, history: Sequence[tuple[str, str]], observation: str,

@@ -2,13 +2,18 @@
 the classes refused up front, the row's whole prompt, and calls compared as parsed calls, not as text."""
 
 import re
+from functools import partial
+from typing import Literal
 
 import pytest
 
 from hgpo_trl.envs import TRLEnv, make_env
 from hgpo_trl.envs.pool import make_env_batch
+from hgpo_trl.envs.trl_calls import written_call
 from hgpo_trl.envs.trl_env import within_episode_limit
+from hgpo_trl.evaluation.trajectories import rollout_records, summarize
 from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, run_rollout
+from tests.test_trajectories import record_config
 from tests.test_trl_env import ROWS, Corridor
 
 REWARDS: list[float] = []  # every get_reward() result, in call order
@@ -122,3 +127,49 @@ def test_every_message_of_a_rows_conversation_is_in_the_prompt():
     assert task.startswith("The rules: press up to win.\nOpen the door.\nassistant: press(button='down')\nAgain.\n"
                            "Tools:\n- press(button: string)")
     assert env.reset({"prompt": conversation[-1:]})[1]["task"].startswith("Again.\nTools:")
+
+
+class Lift(Buttons):
+    def press(self, button: Literal["Up", "Down"]) -> str:
+        """Press a button.
+
+        Args:
+            button: which one.
+        """
+        return super().press(button)
+
+
+@pytest.mark.parametrize(("tool_format", "answer"), [
+    ("call", "press ( button = ' Up ' )"),  # as the tiny word-level tokenizer decodes press(button='Up')
+    ("json", '<tool_call>{"name":"press","arguments":{"button":"Up"}}</tool_call>'),
+])
+def test_under_admissible_only_a_call_is_matched_parsed_not_as_text(tool_format, answer):
+    """The call is the admissible one whatever its spacing, and is sent as the class lists it, its case kept."""
+    with make_env_batch(partial(TRLEnv, Lift, tool_format=tool_format, max_steps=1), 1, 0) as envs:
+        rollout = run_rollout(envs, ROWS[:1], 1, lambda prompts: [Completion(f"<think> </think>{answer}")],
+                              RolloutSettings(action_mode="tool", max_steps=1, admissible_only=True))
+    [played] = rollout.steps
+    assert played.valid and played.action == written_call("press", {"button": "Up"}, tool_format)
+    assert rollout.episodes[0].won  # (get_reward() counted the press)
+
+
+def test_one_call_written_two_ways_reaches_one_state():
+    """The default anchor digests the calls parsed (name and arguments), so spacing does not split HGPO's groups."""
+    env = TRLEnv(Buttons)
+    anchors = []
+    for call in ["press(button='up')", 'press ( button = " up " )', "press(button='down')"]:
+        env.reset(ROWS[0])
+        anchors.append(env.step(call)[4]["anchor"])
+    assert anchors[0] == anchors[1] != anchors[2]
+
+
+def test_the_summary_says_why_a_tool_mode_output_was_invalid():
+    outputs = ["move(direction='right')", "<think> </think>move(direction='left')", "<think> </think>",
+               "<think> </think>move(direction='up')"]
+    with make_env_batch(partial(TRLEnv, Corridor, max_steps=4), 1, 0) as envs:
+        rollout = run_rollout(envs, ROWS[:1], 1, lambda prompts: [Completion(outputs[step(p)]) for p in prompts],
+                              RolloutSettings(action_mode="tool", max_steps=4, admissible_only=True))
+    records = rollout_records(rollout, ROWS[:1], None, record_config(action_mode="tool"))
+    assert summarize(records)["invalid_reasons"] == {
+        "no </think> before the answer": 1, "the call failed (an error answered it)": 1,
+        "no answer after </think>": 1, "not an admissible call": 1}

@@ -4,15 +4,16 @@
     python -m hgpo_trl.evaluation.trajectories summary outputs/run/trajectories/iter_000010.jsonl
     hgpo-view outputs/run        # one self-contained HTML page of the run's dumps (hgpo_trl/evaluation/viewer.py draws it)
 
-A record holds the task, the step index (`step`; dumps before 2026-12-04 named it `t`, still read), the prompt,
-the memory window it showed (`window`: that many earlier steps), the raw model output, the parsed action (null
-when invalid), validity, the observation the step acted on, reward, discounted return, advantage, HGPO's groups
-(`level_groups`: the step's group id at each level k = 0..K, -1 without level k; level 0 is GiGPO's anchor group,
-similarity clusters where `similarity_threshold` is set), the levels where it had a peer, the share of each
-level's item in its advantage (`level_weights`, estimator hgpo), and the episode's outcome (won, fault, score). An
-episode aborted by an environment fault, whose steps are never trained, is one record of its outcome alone (the
-step's fields null), so that the summary counts every episode played, as the metrics do (`hgpo_trl.rollout.outcomes`).
-The trainer writes them every `trajectory_dump_every` iterations and at every evaluation (`output_dir/trajectories/`).
+A record holds the task, the step index (`step`; dumps before 2026-12-04 named it `t`, still read), the prompt, the
+memory window it showed (`window`: that many earlier steps), the raw model output, the parsed action (null when
+invalid), validity and an invalid step's `reason` (its action mode's words), the observation the step acted on,
+reward, discounted return, advantage, HGPO's groups (`level_groups`: the step's group id at each level k = 0..K, -1
+without level k; level 0 is GiGPO's anchor group, similarity clusters where `similarity_threshold` is set), the
+levels where it had a peer, the share of each level's item in its advantage (`level_weights`, estimator hgpo), and
+the episode's outcome (won, fault, score). An episode aborted by an environment fault, whose steps are never
+trained, is one record of its outcome alone (the step's fields null), so that the summary counts every episode
+played, as the metrics do (`hgpo_trl.rollout.outcomes`). The trainer writes them every `trajectory_dump_every`
+iterations and at every evaluation (`output_dir/trajectories/`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ TASK_TYPE_FIELDS = ("task_type", "type")  # a task row's own type (ALFWorld), if
 
 STEP_FIELDS = ("step", "prompt", "window", "output", "prompt_tokens", "completion_tokens", "action", "valid",
                "observation", "reward", "return", "advantage", "level_groups", "peer_levels",
-               "level_weights")  # null in a faulted episode's outcome record
+               "level_weights", "reason")  # null in a faulted episode's outcome record
 
 
 def rollout_records(rollout: Rollout, tasks: Sequence[Mapping[str, Any]], advantages: np.ndarray | None,
@@ -68,6 +69,7 @@ def rollout_records(rollout: Rollout, tasks: Sequence[Mapping[str, Any]], advant
                 "level_groups": groups[i].tolist(),
                 "peer_levels": [int(k) for k in np.flatnonzero((groups[i] >= 0) & (sizes[i] >= 2))],
                 "level_weights": None if weights is None else weights[i].tolist(),
+                "reason": None if step.valid else invalid_reason(step.completion.text, config.action_mode, step.action),
             })
     return records + [{**episode_fields(e, tasks), **dict.fromkeys(STEP_FIELDS)}
                       for e in rollout.episodes if e.fault is not None]
@@ -131,15 +133,28 @@ def show_episode(records: Sequence[Mapping[str, Any]], episode: int | None = Non
     return "\n".join(lines)
 
 
-def invalid_reason(output: str) -> str:
+def invalid_reason(output: str, action_mode: str = "tags", action: str | None = None) -> str:
+    """Why a step was invalid, from its output and, in `tool` mode, whether a call was sent (`action`): a sent call
+    was answered with an error (it raised, named no tool or could not be read)."""
     text = output.strip()
     if not text:
         return "empty output"
+    if action_mode == "tool":
+        if action is not None:
+            return "the call failed (an error answered it)"
+        if "</think>" not in text:
+            return "no </think> before the answer"
+        return "no answer after </think>" if not text.rsplit("</think>", 1)[1].strip() else "not an admissible call"
     if "<action>" in text and "</action>" not in text:
         return "unclosed <action> tag"
     if "<action>" not in text and "</action>" not in text and "<think>" in text:
         return "no <action> tag"
     return "not an admissible action"
+
+
+def step_reason(record: Mapping[str, Any]) -> str | None:
+    """An invalid step's reason as its dump says it (dumps before 2026-12-05 hold none: read as in tags mode)."""
+    return None if record["valid"] else record.get("reason") or invalid_reason(record["output"])
 
 
 def summarize(records: Sequence[Mapping[str, Any]], top: int = 5) -> dict[str, Any]:
@@ -158,7 +173,7 @@ def summarize(records: Sequence[Mapping[str, Any]], top: int = 5) -> dict[str, A
         by_type[r["task_type"] or "all"].append(bool(r["episode_won"]))
     outcomes = [Episode(r["group"], r["episode"], won=r["episode_won"], fault=r["episode_fault"],
                         score=r.get("episode_score")) for r in first.values()]  # (older dumps hold no score)
-    invalid = Counter(invalid_reason(r["output"]) for r in steps if not r["valid"])
+    invalid = Counter(step_reason(r) for r in steps if not r["valid"])
     failing = Counter(r["observation"] for r in last.values() if not r["episode_won"])
     return {
         "episodes": len(first), "steps": len(steps), **success_and_score(episode_totals(outcomes)),
@@ -187,7 +202,7 @@ def view_data(name: str, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]
             "score": finite(r.get("episode_score")), "steps": []})
         if r["step"] is not None:
             step = {k: finite(r.get(k)) for k in VIEW_STEP_FIELDS}
-            episode["steps"].append({**step, "reason": None if r["valid"] else invalid_reason(r["output"])})
+            episode["steps"].append({**step, "reason": step_reason(r)})
     for episode in episodes.values():
         episode["steps"].sort(key=lambda st: st["step"])
         episode["reward"] = float(sum(st["reward"] or 0.0 for st in episode["steps"]))

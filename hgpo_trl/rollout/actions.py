@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from hgpo_trl.envs.trl_calls import call_key
+
 ACTION_MODES = ("tags", "plain", "tool")
 MAX_ACTION_CHARS = 200
 MAX_TOOL_CHARS = 4000  # tool mode: a tool call's JSON is longer than an action
@@ -75,15 +77,17 @@ def parse_action(text: str, mode: str = "tags", *, require_think: bool = True, r
     return action
 
 
-def match_admissible(action: str | None, admissible: Sequence[str]) -> str | None:
-    """The admissible action that `action` spells, up to case and the spaces around brackets (a word-level
-    tokenizer decodes `click[buy now]` as `click [ buy now ]`), as the environment writes it; None if none."""
+def match_admissible(action: str | None, admissible: Sequence[str], mode: str = "tags") -> str | None:
+    """The admissible action that `action` spells, as the environment writes it; None if none. Text actions match
+    up to case and the spaces around brackets (a word-level tokenizer decodes `click[buy now]` as
+    `click [ buy now ]`); tool calls (`tool` mode) match as parsed calls, name and arguments (`call_key`)."""
     if action is None:
         return None
     if action in admissible:
         return action
-    key = _canonical(action)
-    return next((candidate for candidate in admissible if _canonical(candidate) == key), None)
+    key = call_key if mode == "tool" else _canonical
+    wanted = key(action)
+    return next((candidate for candidate in admissible if wanted is not None and key(candidate) == wanted), None)
 
 
 def _canonical(action: str) -> str:

@@ -165,11 +165,11 @@ def read_action(text: str, settings: RolloutSettings, admissible: Sequence[str])
     if settings.invalid_action == "execute":
         action, well_formed = project_released(text, settings.invalid_tail_chars,
                                                require_think=settings.require_think, reject_cjk=settings.reject_cjk)
-        listed = match_admissible(action, admissible) if settings.admissible_only else action
+        listed = match_admissible(action, admissible, settings.action_mode) if settings.admissible_only else action
         return (action, True) if listed is None else (listed, not well_formed)
     action = parse_action(text, settings.action_mode, require_think=settings.require_think,
                           reject_cjk=settings.reject_cjk)
-    return (match_admissible(action, admissible) if settings.admissible_only else action), False
+    return (match_admissible(action, admissible, settings.action_mode) if settings.admissible_only else action), False
 
 
 class EpisodeStates:
@@ -221,7 +221,9 @@ class EpisodeStates:
 
     def action(self, i: int, completion: Completion) -> tuple[str | None, bool]:
         """What episode i's completion sends to its environment (`read_action`)."""
-        admissible = [a.strip().lower() for a in self.infos[i].get("admissible_actions", [])]
+        listed = [a.strip() for a in self.infos[i].get("admissible_actions", [])]
+        # Text actions are lower-cased as parse_action writes them; a tool call's arguments keep their case.
+        admissible = listed if self.settings.action_mode == "tool" else [a.lower() for a in listed]
         return read_action(completion.text, self.settings, admissible)
 
     def sends(self, action: str | None) -> bool:
