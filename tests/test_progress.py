@@ -4,6 +4,8 @@ hgpo-eval's bar counts the turns its lock-step games advance by, not the games, 
 
 import re
 import sys
+import threading
+import time
 from functools import partial
 
 import pytest
@@ -108,6 +110,7 @@ def test_where_bars_do_not_show_a_bar_prints_a_line_every_line_seconds_with_what
         "[warm start] 3/10 steps (30%) in 31 s, 10.3 s/step, ~72 s left; loss=2.310\n"
         "[warm start] 5/10 steps (50%) in 62 s, 12.4 s/step, ~62 s left; loss=2.310\n")
     assert bar.disable and bar.n == 5  # (no bar is drawn; it counts)
+    bar.close()
     clock.now = 100
     for _ in progress.progress_bar(iterable=range(3), desc="random episodes", unit="episode", leave=False):
         clock.now += 31
@@ -120,6 +123,69 @@ def test_where_bars_do_not_show_a_bar_prints_a_line_every_line_seconds_with_what
     assert type(progress.progress_bar(total=3, lines=False)) is std.tqdm
     monkeypatch.setenv("RANK", "1")
     assert type(progress.progress_bar(total=3)) is std.tqdm
+
+
+def test_a_turn_that_stalls_still_prints_a_line_every_line_seconds(monkeypatch, capsys):
+    """A line on a clock, not on progress: a bar that printed only as its count moved was silent through one long
+    environment step (4 s of silence with LINE_SECONDS 0.5), and forever through a hung one (env_step_timeout is
+    None by default). Here hgpo-eval's first turn stalls until a line has printed (20 s at most); its clock stops
+    with its bar."""
+    monkeypatch.setattr(progress, "bar_style", lambda disabled: None)  # (a log file)
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.2)
+    during_the_stall: list[str] = []
+    play = random_player(0, "plain")
+    calls = 0
+
+    def stalling_player(prompts, infos):
+        nonlocal calls
+        calls += 1
+        deadline = time.monotonic() + 20
+        while calls == 1 and not during_the_stall and time.monotonic() < deadline:
+            time.sleep(0.05)
+            during_the_stall.extend(capsys.readouterr().out.splitlines())
+        return play(prompts, infos)
+
+    tasks = list(make_tasks("keydoor", "valid", num_rooms=3, num_colors=3))[:2]
+    with make_env_batch(partial(make_env, "keydoor"), 2, 0) as envs:
+        protocol.play_split(envs, tasks, stalling_player, RolloutSettings(action_mode="plain", max_steps=6),
+                            scripted=True, count_tokens=None, description="stalled", quiet=False, dump=None, args=None)
+    assert during_the_stall and re.fullmatch(r"\[stalled\] 0/6 turns \(0%\) in \d+ s", during_the_stall[0])
+    assert not clocks_left_running()
+    # A bar that is iterated closes with its loop, a break included.
+    for _ in progress.progress_bar(iterable=range(3), desc="random episodes", unit="episode"):
+        break
+    assert not clocks_left_running()
+
+
+def test_an_interrupted_warm_start_s_lines_stop(monkeypatch, tiny_model, tiny_tokenizer):
+    """The warm start's bar of steps closes at the end of training, which an interrupted warm start does not reach:
+    its clock went on printing its line (a notebook keeps the traceback, and with it the bar). Here the model's
+    second forward raises KeyboardInterrupt, as a Ctrl-C there would."""
+    from hgpo_trl.envs.keydoor import KeyDoorEnv
+    from hgpo_trl.models.warmstart import warm_start
+
+    monkeypatch.setattr(progress, "bar_style", lambda disabled: None)  # (a log file)
+    forwards = 0
+
+    def interrupt_at_the_second(module, inputs):
+        nonlocal forwards
+        forwards += 1
+        if forwards == 2:
+            raise KeyboardInterrupt
+
+    tiny_model.register_forward_pre_hook(interrupt_at_the_second)
+    tasks = list(make_tasks("keydoor", "train", num_tasks=4))
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        warm_start(tiny_model, tiny_tokenizer, KeyDoorEnv, tasks, steps=3, batch_size=4, max_steps=6, progress=True)
+    assert not clocks_left_running() and interrupted.traceback  # (with the traceback still held)
+
+
+def clocks_left_running() -> list[threading.Thread]:
+    """The bars' clock threads still running once each had 5 s to end."""
+    clocks = [thread for thread in threading.enumerate() if thread.name.startswith("progress lines")]
+    for clock in clocks:
+        clock.join(timeout=5)
+    return [clock for clock in clocks if clock.is_alive()]
 
 
 def test_a_run_whose_output_goes_to_a_file_prints_where_each_long_phase_is(tmp_path, monkeypatch, capfd):
@@ -140,8 +206,10 @@ def test_a_run_whose_output_goes_to_a_file_prints_where_each_long_phase_is(tmp_p
 
     assert matching(r"\[warm start: random episodes\] \d+/\d+ episodes \(\d+%\) in \d+ s, .*, ~\d+ s left")
     steps = matching(r"\[warm start\] (\d)/3 steps \(\d+%\) in \d+ s, [\d.]+ (s/step|steps/s), ~\d+ s left.*")
-    assert [line.split("/")[0] for line in steps] == ["[warm start] 1", "[warm start] 2", "[warm start] 3"]
-    assert all(re.search(r"; loss=\d+\.\d{3}$", line) for line in steps[1:])  # (logged after the first step)
+    # (each step's line at least once: the bar's clock adds lines while a step runs)
+    assert sorted({line.split("/")[0] for line in steps}) == ["[warm start] 1", "[warm start] 2", "[warm start] 3"]
+    assert all(re.search(r"; loss=\d+\.\d{3}$", line) for line in steps  # (logged after the first step)
+               if not line.startswith("[warm start] 1/"))
     assert matching(r"\[iteration 1 rollout\] \d/5 turns \(\d+%\) in \d+ s, .* left; live_episodes=\d+")
     assert matching(r"\[evaluation 1/1\] \d/5 turns \(\d+%\) in \d+ s, .* left; live_episodes=\d+")
     assert lines.index(steps[-1]) < next(i for i, line in enumerate(lines) if line.startswith("[iter "))

@@ -16,7 +16,7 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -184,9 +184,10 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
         trainer.callback_handler.remove_callback(PrinterCallback)
         if bars:
             trainer.callback_handler.remove_callback(DEFAULT_PROGRESS_CALLBACK)  # (an HTML bar in a notebook)
-        if progress:
-            trainer.add_callback(BarOnly("warm start", "step"))
-        result = trainer.train()
+        with closing(BarOnly("warm start", "step")) as bar:
+            if progress:
+                trainer.add_callback(bar)
+            result = trainer.train()
     metrics = {"warmstart_loss": float(result.training_loss), "warmstart_examples": len(dataset)}
     if progress:
         tqdm.write(f"[warm start] {steps} steps on {len(dataset):,} (prompt, admissible action) pairs in "

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
@@ -66,7 +68,9 @@ class LineBar(std.tqdm):
     """A bar where bars do not show: it draws nothing (a disabled tqdm, as `progress_bar` gave before) but counts,
     and prints one line when `LINE_SECONDS` have passed since its start or its last line: its description, the
     count of its total, its rate, the time spent and an estimate of the time left, and its postfix (e.g.
-    `[warm start] 40/200 steps (20%) in 65 s, 1.63 s/step, ~261 s left; loss=2.31`)."""
+    `[warm start] 40/200 steps (20%) in 65 s, 1.63 s/step, ~261 s left; loss=2.31`). The lines come on a clock
+    (a thread of its own until `close`), not only as the count moves: a turn stuck in one environment step, or a
+    hung one, still prints where it is."""
 
     def __init__(self, iterable=None, desc: str | None = None, total: float | None = None, unit: str = "it",
                  initial: float = 0, **options):
@@ -76,17 +80,31 @@ class LineBar(std.tqdm):
             self.total = len(iterable)
         self.started = self.last_line = time.monotonic()
         self.first = initial
+        self.line_lock, self.closing = threading.Lock(), threading.Event()
+        threading.Thread(target=tick, args=(weakref.ref(self), self.closing), name=f"progress lines: {self.desc}",
+                         daemon=True).start()
 
     def __iter__(self):
-        for item in self.iterable:
-            yield item
-            self.update()
+        try:
+            for item in self.iterable:
+                yield item
+                self.update()
+        finally:  # (a loop that ends, breaks or raises ends the bar's clock)
+            self.close()
 
     def update(self, n: float = 1) -> bool | None:
         self.n += n
-        if time.monotonic() - self.last_line >= LINE_SECONDS:
-            self.print_line()
+        self.line_if_due()
         return None
+
+    def line_if_due(self) -> None:
+        with self.line_lock:  # (the clock and `update` both print: one line when due, not two)
+            if time.monotonic() - self.last_line >= LINE_SECONDS:
+                self.print_line()
+
+    def close(self) -> None:
+        self.closing.set()
+        super().close()
 
     def print_line(self) -> None:
         self.last_line = now = time.monotonic()
@@ -102,6 +120,18 @@ class LineBar(std.tqdm):
             if self.total:
                 line += f", ~{max(self.total - self.n, 0) / rate:,.0f} s left"
         std.tqdm.write(line + (f"; {self.postfix}" if self.postfix else ""), file=sys.stdout)
+
+
+def tick(bar: weakref.ref[LineBar], closing: threading.Event) -> None:
+    """A `LineBar`'s clock: wake when its next line is due (at most 10 times a second) and print it unless one came
+    since, until the bar closes. It holds the bar weakly, so that a bar dropped unclosed is collected (tqdm's
+    `__del__` closes it) and its lines stop."""
+    while (due := getattr(bar(), "last_line", None)) is not None:
+        if closing.wait(max(due + LINE_SECONDS - time.monotonic(), 0.1)):
+            return
+        if (live := bar()) is not None:
+            live.line_if_due()
+        del live  # (no strong reference while waiting)
 
 
 def number(value: float) -> str:

@@ -73,6 +73,13 @@ class BarOnly(ProgressCallback):
         if state.is_world_process_zero and "loss" in (logs or {}):
             self.training_bar.set_postfix(loss=f"{logs['loss']:.3f}", refresh=False)
 
+    def close(self) -> None:
+        """The bar closed where train() raised before its end closed it (where bars do not show, its lines would
+        go on)."""
+        if self.training_bar is not None:
+            self.training_bar.close()
+            self.training_bar = None
+
 
 def set_up_reporting(trainer) -> None:
     """The console of a run: the progress bar, `IterationLine`'s lines and `InvalidOutputWarning`; TRL's metrics
