@@ -10,6 +10,7 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,6 +123,7 @@ def check_values(args: HGPOConfig) -> None:
     if args.env_kwargs is not None and not isinstance(args.env_kwargs, dict):
         raise ValueError(f"HGPOConfig.env_kwargs must be a mapping such as '{{max_steps: 30}}', got "
                          f"{args.env_kwargs!r}")
+    check_output_dir(args.output_dir)
     check_device(args)
     # Optional packages: a clear error now rather than an import failure after the model has loaded.
     extras = [("use_vllm", args.use_vllm, "vllm"), ("deepspeed", args.deepspeed, "deepspeed"),
@@ -142,6 +144,18 @@ def check_values(args: HGPOConfig) -> None:
         user_warning(
             f"HGPOConfig: hierarchy_depth ({args.hierarchy_depth}) > history_length ({args.history_length}): "
             "HGPO's deepest levels key on observations that the prompts do not show")
+
+
+def check_output_dir(output_dir: str | None) -> None:
+    """A folder, or a path where one can be made: a file there, or above it, failed at the first write, after the
+    model had loaded and warm-started (a NotADirectoryError traceback)."""
+    if output_dir is None:  # (the Trainer's default)
+        return
+    path = Path(output_dir).expanduser().absolute()
+    existing = next(folder for folder in (path, *path.parents) if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"HGPOConfig.output_dir must be a folder (or a path where one can be made), got "
+                         f"{output_dir!r}: {existing} is a file")
 
 
 def check_launch_precision(args: HGPOConfig) -> None:

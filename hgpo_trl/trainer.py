@@ -328,8 +328,9 @@ class HGPOTrainer(GRPOTrainer):
         return is_new_best
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
-        """The parent's, from the checkpoint `checkpoints.check_resume` accepts (another number of processes, damage: refused)."""
-        checkpoint = checkpoints.check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes, self._saved_start)
+        """The parent's, from the checkpoint `checkpoints.check_resume` accepts (another process count, damage, shape: refused)."""
+        checkpoint = checkpoints.check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes,
+                                              self._saved_start, self.model.config)
         with self.signal_stop.installed():  # (Ctrl-C / SIGTERM: hgpo_trl.training.interrupts)
             return super().train(checkpoint, trial, ignore_keys_for_eval, **kwargs)
 

@@ -206,7 +206,7 @@ def test_a_resume_on_another_number_of_processes_is_refused_before_any_step(kind
     assert [p.name for p in checkpoints(tmp_path)] == ["checkpoint-1"]  # no step was taken
 
 
-def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tmp_path):
+def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tmp_path, tiny_model):
     from hgpo_trl.training.checkpoints import ResumeError, check_resume
 
     args = make_config(tmp_path)
@@ -217,8 +217,8 @@ def test_a_checkpoint_from_before_the_state_files_is_counted_by_its_rng_files(tm
     (old / "trainer_state.json").write_text("{}")
     save_file({"w": torch.zeros(1)}, old / "model.safetensors")
     with pytest.raises(ResumeError, match="was saved by 2 processes and this run has 1"):
-        check_resume(str(old), args, processes=1, saved_start=False)
-    assert check_resume(str(old), args, processes=2, saved_start=False) == str(old)
+        check_resume(str(old), args, processes=1, saved_start=False, model_config=tiny_model.config)
+    assert check_resume(str(old), args, processes=2, saved_start=False, model_config=tiny_model.config) == str(old)
 
 
 def test_a_weight_tied_to_a_loaded_one_is_not_reported_missing(tiny_model):
@@ -229,6 +229,28 @@ def test_a_weight_tied_to_a_loaded_one_is_not_reported_missing(tiny_model):
     assert tiny_model.get_output_embeddings().weight is tiny_model.get_input_embeddings().weight  # tied
     result = without_tied_keys(tiny_model, _IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
     assert result.missing_keys == ["model.norm.weight"] and result.unexpected_keys == []
+
+
+@pytest.mark.parametrize(("shape", "named"), [(dict(hidden_size=16, num_layers=1), "hidden_size 32 there, 16 here"),
+                                             (dict(hidden_size=32, num_layers=2), "num_hidden_layers 1 there, 2 here")])
+def test_a_resume_into_a_model_of_another_shape_is_one_line_naming_both(tmp_path, tiny_model, tiny_tokenizer, shape,
+                                                                       named):
+    """`--tiny_hidden_size 64` from a hidden-128 checkpoint was a 35-line `size mismatch` traceback, another layer
+    count `loaded state dict contains a parameter group that doesn't match` (the missing layer's weights only a
+    warning): refused before any step, naming both shapes."""
+    from hgpo_trl.models.tiny import build_tiny_model
+    from hgpo_trl.training.checkpoints import ResumeError
+
+    make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, train_iterations=1, save_every_iterations=1)).train()
+    [saved] = checkpoints(tmp_path / "out")
+    other = build_tiny_model(tiny_tokenizer, num_heads=2, seed=0, **shape)  # (the fixture's: 32, 1 layer, 2 heads)
+    resumed = make_trainer(other, tiny_tokenizer, make_config(tmp_path, train_iterations=2, save_every_iterations=1))
+    with pytest.raises(ResumeError) as refused:
+        resumed.train(resume_from_checkpoint=str(saved))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"resume_from_checkpoint: {saved} holds a model of another "
+                                                       f"shape than this run's: {named}")
+    assert resumed.state.global_step == 0
 
 
 def test_a_damaged_checkpoint_is_named_in_one_line_and_true_falls_back_to_the_newest_that_loads(

@@ -66,6 +66,17 @@ def test_bad_configs_name_the_field(tmp_path, text, message):
         parse(["--config", write(tmp_path, text)])
 
 
+@pytest.mark.parametrize("below", ["", "run"])
+def test_an_output_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path, below):
+    """An output_dir that is a file (or under one) ran the whole warm start (69 s), then failed in a 22-line
+    `NotADirectoryError ... afile/reference_model` traceback."""
+    (tmp_path / "afile").write_text("not a folder")
+    output_dir = tmp_path / "afile" / below
+    with pytest.raises(ConfigError, match=rf"^HGPOConfig.output_dir must be a folder \(or a path where one can be "
+                                          rf"made\), got '{output_dir}': {tmp_path / 'afile'} is a file$"):
+        parse(["--config", write(tmp_path, ""), "--output_dir", str(output_dir)])
+
+
 def test_command_line_overrides_the_yaml_and_types_are_checked(tmp_path):
     _, args, _ = parse(["--config", write(tmp_path, "learning_rate: 0.1\n"), "--learning_rate", "0.5"])
     assert args.learning_rate == 0.5

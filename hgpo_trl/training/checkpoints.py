@@ -161,7 +161,7 @@ class ResumeError(ValueError):
     """A checkpoint this run cannot resume (train.py reports it in one line)."""
 
 
-def check_resume(checkpoint: str | bool | None, args, processes: int, saved_start: bool) -> str | None:
+def check_resume(checkpoint: str | bool | None, args, processes: int, saved_start: bool, model_config) -> str | None:
     """The checkpoint to resume, as Trainer.train takes it, or None. Refused: one that another number of processes
     saved (each saves its own state file; the Trainer's rng_state files in a checkpoint from before): the
     iteration count, the fault streak and the sub-sampling stream are each process's, the task split and the
@@ -169,7 +169,8 @@ def check_resume(checkpoint: str | bool | None, args, processes: int, saved_star
     world size that wrote it; then a damaged one (`resumable_checkpoint`; True, or 'true', is the newest in
     output_dir that loads). Refused first: a resume that `args.resume_from_checkpoint` does not announce when the
     trainer saved the model passed in as the run's start (`saved_start`, `save_in_memory_weights`): it would have
-    overwritten the run's own."""
+    overwritten the run's own. Refused last: a checkpoint of a model of another shape than `model_config`'s
+    (`check_model_shape`)."""
     # How the resume is asked for is wrong whatever the checkpoint holds: said before the checkpoint is read.
     if saved_start and checkpoint not in (None, False) and not args.resume_from_checkpoint:
         raise ResumeError(f"train(resume_from_checkpoint={str(checkpoint)!r}): set HGPOConfig.resume_from_checkpoint "
@@ -183,7 +184,32 @@ def check_resume(checkpoint: str | bool | None, args, processes: int, saved_star
         return None
     if not named:
         check_processes(checkpoint, processes)
+    check_model_shape(checkpoint, model_config)
     return checkpoint
+
+
+# The config fields that set a model's weight shapes (a config's attribute_map names them for other families).
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
+def check_model_shape(checkpoint: str, model_config) -> None:
+    """Refuse a checkpoint whose config.json has another shape than this run's model (another hidden size: a
+    `size mismatch` traceback as it loaded; another layer count: the missing layers a warning, then the optimizer's
+    "parameter group that doesn't match"). A checkpoint without config.json (a PEFT adapter) is not checked."""
+    path = Path(checkpoint, "config.json")
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    differ = []
+    for name in SHAPE_FIELDS:
+        there, here = saved.get(model_config.attribute_map.get(name, name)), getattr(model_config, name, None)
+        if there is not None and here is not None and there != here:
+            differ.append(f"{name} {there} there, {here} here")
+    if differ:
+        raise ResumeError(f"resume_from_checkpoint: {checkpoint} holds a model of another shape than this run's: "
+                          f"{'; '.join(differ)}. Resume with the model the run started from (model_name_or_path, "
+                          "and tiny_* for the tiny model), or start a new run")
 
 
 def check_processes(checkpoint: str | os.PathLike, processes: int) -> None:
