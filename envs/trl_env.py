@@ -276,7 +276,8 @@ def _prompt_text(prompt: Any) -> str:
 
 def trl_tasks(split: str = "train", *, rows: Any = None, data_files: Any = None) -> datasets.Dataset:
     """The task rows TRL's `train_dataset` would hold: `rows` (a list of mappings) or `data_files` (a JSON, JSONL,
-    CSV or Parquet file as `datasets` reads it); either may be a mapping by split."""
+    CSV or Parquet file as `datasets` reads it); either may be a mapping by split. Not by split, they are the
+    'train' split alone."""
     import datasets
 
     if (rows is None) == (data_files is None):
@@ -286,6 +287,9 @@ def trl_tasks(split: str = "train", *, rows: Any = None, data_files: Any = None)
         if split not in source:
             raise ValueError(f"the trl tasks name no split {split!r} (they name {list(source)})")
         source = source[split]
+    elif split != "train":  # (the same rows for every split: an evaluation would score the training rows)
+        raise ValueError(f"one list of rows is the 'train' split alone: give rows or data_files by split, e.g. "
+                         f"{{train: [...], {split}: [...]}}, or turn the evaluation off (--eval_split null)")
     if rows is not None:
         if not isinstance(source, list) or not source or not all(isinstance(r, Mapping) for r in source):
             raise ValueError(f"task_kwargs rows must be a non-empty list of mappings, got {source!r:.80}")

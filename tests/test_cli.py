@@ -77,6 +77,40 @@ def test_an_output_dir_that_is_a_file_is_refused_before_anything_runs(tmp_path, 
         parse(["--config", write(tmp_path, ""), "--output_dir", str(output_dir)])
 
 
+@pytest.mark.parametrize("text", ["null", "None", "none"])
+def test_eval_split_null_on_the_command_line_turns_the_evaluation_off(tmp_path, text):
+    """`--eval_split null` (the help says "None: none") was taken as a split named 'null' (keydoor: "split must be one
+    of ..."): on the command line it is YAML's null, as `eval_split: null` in the YAML is."""
+    env_args, _, _ = parse(["--config", write(tmp_path, ""), "--eval_split", text])
+    assert env_args.eval_split is None
+    assert parse(["--config", write(tmp_path, "eval_split: null\n")])[0].eval_split is None
+
+
+def test_trl_rows_without_a_validation_split_are_not_evaluated_on_as_if_they_were_one(tmp_path, capsys):
+    """TRL rows given as one list (or one data file) were the rows of every split: the run's evaluation (eval_split
+    'valid' by default) silently scored the training rows. One list is the training split; another split is one
+    line saying how to give one, or to turn the evaluation off."""
+    from hgpo_trl.commands.train import main
+    from hgpo_trl.envs import make_tasks
+
+    rows = [{"prompt": "Reach the goal.", "goal": 2}, {"prompt": "Reach the goal.", "goal": 3}]
+    assert list(make_tasks("trl", "train", rows=rows)) == rows
+    with pytest.raises(ValueError, match=r"^one list of rows is the 'train' split alone"):
+        make_tasks("trl", "valid", rows=rows)
+    config = write(tmp_path, f"""env_name: trl
+env_kwargs: {{environment_factory: "tests.test_trl_env:Corridor"}}
+task_kwargs: {{rows: {json.dumps(rows)}}}
+action_mode: tool
+""")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", config])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(
+        "train.py: configuration error: the trl tasks of split 'valid': one list of rows is the 'train' split alone"), err
+    assert "--eval_split null" in err
+
+
 def test_command_line_overrides_the_yaml_and_types_are_checked(tmp_path):
     _, args, _ = parse(["--config", write(tmp_path, "learning_rate: 0.1\n"), "--learning_rate", "0.5"])
     assert args.learning_rate == 0.5

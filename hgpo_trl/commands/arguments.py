@@ -37,7 +37,8 @@ class EnvArguments:
     """Tasks, the offline tiny model and the supervised warm start."""
 
     train_split: str = field(default="train", metadata={"help": "Task split to train on."})
-    eval_split: str | None = field(default="valid", metadata={"help": "Task split to evaluate on (None: none)."})
+    eval_split: str | None = field(default="valid", metadata={
+        "help": "Task split to evaluate on; null (or None): no evaluation."})
     task_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Options of the environment's task list (hgpo_trl.envs.make_tasks), e.g. "
                                         "{num_rooms: 3} or {data_path: ...}; on the command line (YAML or JSON) "
@@ -184,10 +185,12 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str, a
 
 def check_sections(env_args: EnvArguments, args: HGPOConfig) -> None:
     """What parsing leaves unchecked, for a command line and for `evaluate_model`'s HGPOConfig alike: task_kwargs
-    given as text read as a mapping (in place), the counts, the data folders, and a registered env_name (after
+    given as text read as a mapping and eval_split's null as None (in place), the counts, the data folders, and a registered env_name (after
     env_modules are imported: they register theirs)."""
     if isinstance(env_args.task_kwargs, str):
         env_args.task_kwargs = parse_mapping(env_args.task_kwargs, "EnvArguments.task_kwargs")
+    if str(env_args.eval_split).lower() in ("null", "none", "~", ""):  # (the command line's text for YAML's null)
+        env_args.eval_split = None
     for name in ("num_train_tasks", "num_eval_tasks", "warmstart_batch_size"):
         if (value := getattr(env_args, name)) is not None and value < 1:
             raise ConfigError(f"EnvArguments.{name} must be an integer >= 1, got {value!r}")
