@@ -37,8 +37,7 @@ class EnvArguments:
     """Tasks, the offline tiny model and the supervised warm start."""
 
     train_split: str = field(default="train", metadata={"help": "Task split to train on."})
-    eval_split: str | None = field(default="valid", metadata={
-        "help": "Task split to evaluate on; null (or None): no evaluation."})
+    eval_split: str | None = field(default="valid", metadata={"help": "Task split to evaluate on; null: none."})
     task_kwargs: dict[str, Any] | str | None = field(
         default=None, metadata={"help": "Options of the environment's task list (hgpo_trl.envs.make_tasks), e.g. "
                                         "{num_rooms: 3} or {data_path: ...}; on the command line (YAML or JSON) "
@@ -185,8 +184,8 @@ def parse_sections(argv: list[str] | None, extra: tuple[type, ...], prog: str, a
 
 def check_sections(env_args: EnvArguments, args: HGPOConfig) -> None:
     """What parsing leaves unchecked, for a command line and for `evaluate_model`'s HGPOConfig alike: task_kwargs
-    given as text read as a mapping and eval_split's null as None (in place), the counts, the data folders, and a registered env_name (after
-    env_modules are imported: they register theirs)."""
+    given as text read as a mapping and eval_split's null as None (in place), the counts, the data folders, and a
+    registered env_name (after env_modules are imported: they register theirs)."""
     if isinstance(env_args.task_kwargs, str):
         env_args.task_kwargs = parse_mapping(env_args.task_kwargs, "EnvArguments.task_kwargs")
     if str(env_args.eval_split).lower() in ("null", "none", "~", ""):  # (the command line's text for YAML's null)
@@ -337,16 +336,14 @@ def _closest(name: str, known: set[str]) -> list[str]:
 def _reads_as(text: str, expected: tuple[type, ...]) -> bool:
     """Whether the parser can convert the YAML string `text` to one of the `expected` types."""
     for kind in expected:
-        if kind in (str, dict, list):
+        if kind in (str, dict, list) or (kind is bool and flag_value(text) is not None):
             return True
-        try:
-            if kind is bool and text.lower() in ("true", "false", "yes", "no", "1", "0", "y", "n", "t", "f"):
-                return True
-            if kind in (int, float):
+        if kind in (int, float):
+            try:
                 kind(text)
                 return True
-        except ValueError:
-            continue
+            except ValueError:
+                continue
     return False
 
 
@@ -368,9 +365,8 @@ def _accepted(hint: Any) -> tuple[type, ...]:
 
 
 def checked_model_path(name: str | None, what: str = "ModelConfig.model_name_or_path") -> str:
-    """What to load for `name`, or a ConfigError: 'tiny'; a folder holding a model (config.json) or a LoRA adapter
-    whose base model passes this check too; a hub id (offline: one in the Hugging Face cache); a model the project
-    knows by name or a .gguf file, as its folder (hgpo_trl/models/pretrained.py: converted on first use)."""
+    """What to load for `name`, or a ConfigError: 'tiny'; a model or LoRA adapter folder (its base checked too); a hub
+    id (offline: in the Hugging Face cache); a model known by name or a .gguf file, as its converted folder."""
     from huggingface_hub import is_offline_mode, try_to_load_from_cache
 
     if not name:
