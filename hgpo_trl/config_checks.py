@@ -188,16 +188,19 @@ def check_device(args: HGPOConfig) -> None:
                          + (f"; {cpu_build_command()}" if "use_vllm: false" in wants_gpu else ""))
 
 
-def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_config: dict[str, Any] | None) -> None:
+def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_config: dict[str, Any] | None, *,
+                         fsdp: bool) -> None:
     """What `args` alone cannot check: the settings that need validation tasks, and the launch's DeepSpeed config
-    (None without DeepSpeed) against all_steps' schedule."""
+    (None without DeepSpeed) against all_steps' schedule, and the launch's DeepSpeed ZeRO-3 or FSDP (`fsdp`: the
+    Trainer's is_fsdp_enabled; FSDP set in an accelerate config file leaves args.fsdp empty) against a continuous
+    rollout with transformers."""
     if args.eval_every_iterations and not has_eval_dataset:
         raise ValueError("HGPOConfig.eval_every_iterations needs an eval_dataset of task rows")
     if args.early_stop_success is not None and not has_eval_dataset:
         raise ValueError("HGPOConfig.early_stop_success needs an eval_dataset of task rows (it stops on "
                          "validation success)")
     if args.continuous_rollout and not args.use_vllm and (
-            args.fsdp or (deepspeed_config or {}).get("zero_optimization", {}).get("stage") == 3):
+            fsdp or (deepspeed_config or {}).get("zero_optimization", {}).get("stage") == 3):
         raise ValueError("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with transformers' generation under "
                          "ZeRO-3 or FSDP: every process joins every forward there, so no episode may advance alone")
     if args.step_batching == "all_steps" and (deepspeed_config or {}).get("scheduler"):

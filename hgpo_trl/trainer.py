@@ -113,7 +113,7 @@ class HGPOTrainer(GRPOTrainer):
         self.clock = checkpoints.RunClock()  # the wall time, over the runs this one resumes
         self._task_sampler = self._get_train_sampler()  # all_steps: an iteration's tasks from its number
         check_trainer_inputs(args, eval_dataset is not None, self.accelerator.state.deepspeed_plugin.deepspeed_config
-                             if self.is_deepspeed_enabled else None)
+                             if self.is_deepspeed_enabled else None, fsdp=self.is_fsdp_enabled)
         self.early_stop, self.signal_stop = EarlyStop(self), StopOnSignal(self)
         for callback in (IterationCadence(self), self.early_stop, self.signal_stop):  # (a signal's stop comes last:
             self.add_callback(callback)                                              # it skips the evaluation)

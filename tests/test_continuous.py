@@ -144,8 +144,13 @@ def test_rollout_mode_picks_continuous_where_the_backend_streams_and_refuses_it_
     with pytest.raises(ValueError, match=r"^HGPOConfig.rollout_mode must be one of \('auto', 'lockstep', 'continuous'"):
         config(rollout_mode="async")
     with pytest.raises(ValueError, match=r"^HGPOConfig.rollout_mode must be 'lockstep' or 'auto' .* ZeRO-3 or FSDP"):
-        check_trainer_inputs(config(rollout_mode="continuous"), False, {"zero_optimization": {"stage": 3}})
-    check_trainer_inputs(config(rollout_mode="continuous"), False, {"zero_optimization": {"stage": 2}})
+        check_trainer_inputs(config(rollout_mode="continuous"), False, {"zero_optimization": {"stage": 3}}, fsdp=False)
+    check_trainer_inputs(config(rollout_mode="continuous"), False, {"zero_optimization": {"stage": 2}}, fsdp=False)
+    # FSDP as the trainer sees it (Trainer.is_fsdp_enabled): set through an accelerate config file it leaves
+    # args.fsdp empty, which the check read. (On a CPU accelerate never enables FSDP: a launch can't show it here.)
+    with pytest.raises(ValueError, match=r"^HGPOConfig.rollout_mode must be 'lockstep' or 'auto' .* ZeRO-3 or FSDP"):
+        check_trainer_inputs(config(rollout_mode="continuous"), False, None, fsdp=True)
+    check_trainer_inputs(config(rollout_mode="continuous"), False, None, fsdp=False)
 
 
 def test_the_trainer_plays_continuously_with_transformers_and_trains_as_in_lockstep(tmp_path, tiny_tokenizer):
