@@ -59,12 +59,18 @@ def test_the_console_shows_our_lines_without_bars_and_the_folder_holds_no_leftov
 
 
 def test_console_metrics_prints_trls_dicts_and_an_invalid_run_says_so(tmp_path, capfd):
-    printed, _ = run(tmp_path, capfd, "console_metrics: true\ntrain_iterations: 2\nwarmstart_steps: 0\n"
-                                      "admissible_only: true\n")
+    options = "console_metrics: true\nwarmstart_steps: 0\nadmissible_only: true\n"
+    printed, out = run(tmp_path, capfd, options + "train_iterations: 2\n")
     assert "{'loss'" in printed and printed.count("[iter ") == 2
     # Without a warm start a tiny model emits almost no valid action: the run says so, once, and what to change.
     assert printed.count("[warning]") == 1 and "of the outputs of iterations 1-2 were invalid actions" in printed
     assert "warmstart_steps" in printed
+    # A full run names the checkpoint it saved last in summary.json (it said None unless a signal stopped it).
+    assert json.loads((out / "summary.json").read_text())["checkpoint"] == str(out / "checkpoint-2")
+    # Resumed, the warning names the iterations it played: 3-4 (it said "iterations 1-5" after a resumed 11-15).
+    printed, _ = run(tmp_path, capfd, options + f"train_iterations: 4\nresume_from_checkpoint: {out}/checkpoint-2\n")
+    assert printed.count("[warning]") == 1 and "of the outputs of iterations 3-4 were invalid actions" in printed
+    assert json.loads((out / "summary.json").read_text())["checkpoint"] == str(out / "checkpoint-4")
 
 
 def test_a_model_loaded_from_a_folder_draws_no_bar_where_the_console_is_no_terminal(tmp_path, capfd, tiny_model,

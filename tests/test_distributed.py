@@ -30,6 +30,7 @@ def launch(kind: str, out: Path, port: int, *options: str) -> list[dict]:
     command = [str(ACCELERATE), "launch", *LAUNCHES[kind], "--main_process_port", str(port), str(SCRIPT), str(out), *options]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (out / "launch.out").write_text(result.stdout)  # (what both processes printed, for a test to read)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
@@ -84,6 +85,8 @@ def test_a_warm_start_then_training_under_deepspeed(kind, tmp_path, free_port):
     assert warm[0] == pytest.approx(warm[1], rel=1e-9)  # one model on both processes
     assert [r["deepspeed"] for r in ranks] == [True, True] and [r["global_step"] for r in ranks] == [2, 2]
     assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-6)
+    # Its line once, not once per process.
+    assert (tmp_path / "launch.out").read_text().count("[warm start] 3 steps on ") == 1
 
 
 @pytest.mark.slow

@@ -156,8 +156,9 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
         "success_rate_end": after.get("eval_success_rate"),
         "iterations": trainer.completed_iterations,
         "stopped_early": trainer.early_stop.reason,  # None: every train_iteration ran
-        # A signal's stop: which signal, and the checkpoint that resumes the run.
-        "stopped_by_signal": stopped, "checkpoint": trainer.signal_stop.checkpoint if stopped else None,
+        # A signal's stop: which signal, and the checkpoint it saved; else the newest checkpoint (None: none).
+        "stopped_by_signal": stopped,
+        "checkpoint": trainer.signal_stop.checkpoint if stopped else last_checkpoint(args.output_dir),
         "optimizer_steps": trainer.state.global_step,
         # A resumed run: the runs it continues (each up to its checkpoint), then its own.
         "wall_seconds": round(sum(segments := trainer.clock.segments()), 1), "wall_seconds_segments": segments,

@@ -189,7 +189,7 @@ def warm_start(model, tokenizer, env_factory: Callable[[], TextEnv], tasks: Sequ
                 trainer.add_callback(bar)
             result = trainer.train()
     metrics = {"warmstart_loss": float(result.training_loss), "warmstart_examples": len(dataset)}
-    if progress:
+    if progress and os.environ.get("RANK", "0") == "0":  # (every process warm-starts; one line)
         tqdm.write(f"[warm start] {steps} steps on {len(dataset):,} (prompt, admissible action) pairs in "
                    f"{time.time() - start:.0f} s: loss {metrics['warmstart_loss']:.3f}")
     return metrics

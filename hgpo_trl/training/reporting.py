@@ -35,19 +35,22 @@ class IterationLine(TrainerCallback):
 
 
 class InvalidOutputWarning(TrainerCallback):
-    """Says so, once, when most outputs of the first `window` iterations were invalid actions: such a run learns
-    next to nothing, and its flat curve alone does not say why."""
+    """Says so, once, when most outputs of the run's first `window` iterations (a resumed run's own: it named
+    iterations 1-5 after a resumed 11-15) were invalid actions: such a run learns next to nothing, and its flat
+    curve alone does not say why."""
 
     def __init__(self, window: int = 5, threshold: float = 0.5):
-        self.window, self.threshold, self.rates = window, threshold, []
+        self.window, self.threshold, self.rates, self.iterations = window, threshold, [], []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "env/invalid_rate" not in logs:
             return
         self.rates.append(logs["env/invalid_rate"])
-        last = min(self.window, args.train_iterations or self.window)
+        self.iterations.append(logs.get("iteration", state.global_step))
+        first = self.iterations[0]
+        last = min(self.window, args.train_iterations - first + 1 if args.train_iterations else self.window)
         if len(self.rates) == last and sum(self.rates) / last > self.threshold:
-            span = "iteration 1" if last == 1 else f"iterations 1-{last}"
+            span = f"iteration {first}" if last == 1 else f"iterations {first}-{self.iterations[-1]}"
             tqdm.write(f"[warning] {sum(self.rates) / last:.0%} of the outputs of {span} were invalid "
                        "actions, so most steps teach nothing. A tiny model needs a longer warm start "
                        "(warmstart_steps); a pretrained one, the answer format it is asked for (action_mode, "

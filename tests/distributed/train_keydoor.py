@@ -168,7 +168,7 @@ def main(out: str, extra: list[str]) -> None:
         warm["before"] = float(sum(p.double().sum() for p in model.parameters()))
         warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=5),
                    list(make_tasks("keydoor", "train", num_rooms=4, num_colors=4)), steps=int(options["warmstart"]),
-                   max_steps=5, batch_size=8, learning_rate=1e-2, seed=0)
+                   max_steps=5, batch_size=8, learning_rate=1e-2, seed=0, progress=True)
         warm["after"] = float(sum(p.double().sum() for p in model.parameters()))
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer,
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4),
