@@ -4,6 +4,10 @@ being played, with a checkpoint there and one line that says how to resume; the 
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -62,10 +66,76 @@ def test_a_signal_mid_iteration_stops_at_its_end_with_a_checkpoint_and_the_resum
     assert (summary["iterations"], summary["stopped_by_signal"]) == (4, None)
 
 
-@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd, number):
+class DefaultAction(BaseException):
+    """What a signal's default action would do to this test process (end it), raised instead."""
+
+
+@pytest.fixture
+def default_actions_raise():
+    """SIGTERM's and SIGHUP's default action would end this test process: where the code under test takes no such
+    signal of its own, the handler it finds raises `DefaultAction` instead."""
+
+    def ending(number, frame):
+        raise DefaultAction(f"{signal.Signals(number).name} took its default action: the process would have ended "
+                            "without a word")
+
+    previous = {number: signal.signal(number, ending) for number in (signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for number, handler in previous.items():
+        signal.signal(number, handler)
+
+
+@pytest.mark.parametrize("numbers", [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM)],
+                         ids=["a scheduler's SIGTERM and the launcher's forward", "accelerate's SIGTERM after a Ctrl-C"])
+def test_a_stop_delivered_again_still_ends_with_its_checkpoint_and_the_resume_line(
+        tmp_path, monkeypatch, capfd, numbers, default_actions_raise):
+    """A scheduler signals every process of a job and the launcher forwards its own copy; accelerate's one-process
+    launcher answers a Ctrl-C with a SIGTERM: each once ended the run at once, nothing saved. The copies (here
+    two at iteration 2's start and one more while train.py draws its plots, within the window) are the same
+    stop: iteration 2 ends with its checkpoint, the plots and the line that resumes it."""
+    import hgpo_trl.commands.train as command
+    import hgpo_trl.runtime.signals as signals
     from hgpo_trl.commands.train import main
 
+    monkeypatch.setattr(signals, "REPEAT_SECONDS", 600.0)  # every copy within the window, however slow this machine
+    started: list[int] = []
+    play, plot = HGPOTrainer._play, command.plot_learning
+
+    def playing(self, tasks, group_size, temperature, description="rollout"):
+        if description.endswith("rollout"):
+            started.append(self._iteration + 1)
+            if len(started) == 2:
+                for number in numbers:
+                    os.kill(os.getpid(), number)
+        return play(self, tasks, group_size, temperature, description)
+
+    def plotting(*args):
+        os.kill(os.getpid(), numbers[-1])  # (after train(): the command's handler, no longer the trainer's)
+        return plot(*args)
+
+    monkeypatch.setattr(HGPOTrainer, "_play", playing)
+    monkeypatch.setattr(command, "plot_learning", plotting)
+    config = write(tmp_path, RUN.replace("plots: false", "plots: true"))
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", config])
+    name = signal.Signals(numbers[0]).name
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert stop.value.code == 128 + numbers[0] and started == [1, 2] and checkpoint.is_dir()
+    out, err = capfd.readouterr()
+    assert err.count("[stop] ") == 1 and "again" not in err
+    assert out.strip().splitlines()[-1] == (f"train.py: stopped by {name} after iteration 2; checkpoint {checkpoint}; "
+                                            f"resume with: python train.py --config {config} "
+                                            f"--resume_from_checkpoint {checkpoint}")
+    assert (tmp_path / "out" / "learning.png").is_file()
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_after_the_window_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd, number):
+    """The user's second signal: it comes after the first's window (REPEAT_SECONDS, shortened here)."""
+    import hgpo_trl.runtime.signals as signals
+    from hgpo_trl.commands.train import main
+
+    monkeypatch.setattr(signals, "REPEAT_SECONDS", 0.2)
     started: list[int] = []
     play = HGPOTrainer._play
 
@@ -74,6 +144,7 @@ def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd,
             started.append(self._iteration + 1)
             if len(started) == 2:
                 os.kill(os.getpid(), number)
+                time.sleep(0.3)  # (the handler ran at once, in this thread: the window is over)
                 os.kill(os.getpid(), number)
         return play(self, tasks, group_size, temperature, description)
 
@@ -87,6 +158,25 @@ def test_a_second_signal_stops_at_once_in_one_line(tmp_path, monkeypatch, capfd,
                        "checkpoint: none)") and err[-2].startswith(f"[stop] {name}: the run stops when")
     assert not list((tmp_path / "out").glob("checkpoint-*"))
     assert signal.getsignal(number) in (signal.default_int_handler, signal.SIG_DFL)  # put back, though train() raised
+
+
+def test_a_sigterm_while_the_run_starts_ends_it_in_one_line(tmp_path, monkeypatch, capfd, default_actions_raise):
+    """Before train() (the model's build, the warm start, the evaluation before training) a scheduler's SIGTERM
+    took its default action: the run ended without a line. It ends as a Ctrl-C there does, in one line."""
+    import hgpo_trl.commands.train as command
+
+    load = command.load_model
+
+    def loading(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return load(*args)
+
+    monkeypatch.setattr(command, "load_model", loading)
+    with pytest.raises(SystemExit) as stop:
+        command.main(["--config", write(tmp_path, RUN)])
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert capfd.readouterr().err.strip().splitlines()[-1] == (
+        "train.py: interrupted by SIGTERM; nothing since the last checkpoint is saved (the last checkpoint: none)")
 
 
 def test_the_handlers_are_put_back_when_training_fails(tmp_path, tiny_model, tiny_tokenizer):
@@ -141,3 +231,65 @@ def test_a_ctrl_c_in_a_rehearsal_between_its_launches_exits_130_in_one_line(monk
         rehearsal_failed(err.value)
     assert stop.value.code == 130
     assert capsys.readouterr().err == "train.py --rehearse: interrupted by SIGINT, with no launch running\n"
+
+
+# ------------------------------------------------------------------ real launches, signalled from outside
+ROOT = Path(__file__).resolve().parents[1]
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+
+
+def launch_paused(out: Path, launch: list[str], processes: int) -> subprocess.Popen:
+    """`accelerate launch` of tests/resume/train_or_die.py into `out`, in a session of its own (a terminal's Ctrl-C
+    reaches its process group, not this test), returned once every process waits inside iteration 2."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launched = subprocess.Popen([ACCELERATE, "launch", *launch, str(ROOT / "tests" / "resume" / "train_or_die.py"),
+                                 str(out), "iterations=4", "pause_at=2"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 400
+    while len(list(out.glob("paused-rank*"))) < processes:
+        if launched.poll() is not None or time.monotonic() > deadline:
+            launched.kill()
+            pytest.fail(f"the launch ended or hung before iteration 2:\n{launched.communicate()[0][-3000:]}")
+        time.sleep(0.1)
+    return launched
+
+
+def ended(launched: subprocess.Popen, out: Path) -> str:
+    """The launch's output once it ended, after it was let go on (the file its processes wait for)."""
+    (out / "go").touch()
+    return launched.communicate(timeout=300)[0]
+
+
+@pytest.mark.slow
+def test_a_scheduler_s_sigterm_to_every_process_of_a_launch_ends_with_the_checkpoint(tmp_path, free_port):
+    """SLURM signals every process of a job at a preemption: the ranks first and the launcher 0.5 s later (the
+    stagger of issue 55), whose forward reached each rank a second time; one rank stopped at once and the other
+    died in gloo's "Connection closed by peer", nothing saved. The forward is the same stop: iteration 2 ends
+    with its checkpoint on both ranks."""
+    launched = launch_paused(tmp_path, ["--config_file", "configs/accelerate/cpu_2proc.yaml", "--main_process_port",
+                                        str(free_port)], processes=2)
+    for rank in sorted(tmp_path.glob("paused-rank*")):
+        os.kill(int(rank.read_text()), signal.SIGTERM)
+    time.sleep(0.5)
+    launched.send_signal(signal.SIGTERM)
+    time.sleep(1)  # (the launcher's forward reaches the ranks while they still wait inside iteration 2)
+    output = ended(launched, tmp_path)
+    assert launched.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"], output[-3000:]
+    assert output.count("[stop] SIGTERM: the run stops when iteration 2 ends") == 2 and "again" not in output
+    assert f"[stop] stopped by SIGTERM after iteration 2: {tmp_path / 'checkpoint-2'} holds it" in output
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_under_a_one_process_launch_ends_with_the_checkpoint_and_names_accelerates_kill(tmp_path):
+    """accelerate's one-process launcher answers a terminal's Ctrl-C with a SIGTERM to the process the Ctrl-C
+    reached, and kills it 5 s later: the SIGTERM stopped the run at once, nothing saved. It is the same stop; the
+    iteration ends within the 5 s with its checkpoint, and the first line says what the launcher does."""
+    launched = launch_paused(tmp_path, ["--num_processes", "1", "--cpu"], processes=1)
+    os.killpg(launched.pid, signal.SIGINT)  # a terminal's Ctrl-C: every process of the foreground group
+    output = ended(launched, tmp_path)
+    assert launched.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"], output[-3000:]
+    assert "[stop] SIGINT: the run stops when iteration 2 ends" in output and "again" not in output
+    assert "accelerate launch kills this process 5 s after a Ctrl-C or SIGTERM reaches it" in output
+    assert f"[stop] stopped by SIGINT after iteration 2: {tmp_path / 'checkpoint-2'} holds it" in output

@@ -9,14 +9,19 @@ import sys
 from hgpo_trl.commands.arguments import EVAL_SECTIONS, TRAIN_SECTIONS
 from hgpo_trl.commands.parser import ConfigError, answered_help, command_name
 from hgpo_trl.commands.quick_check import refuse_early
+from hgpo_trl.runtime.signals import SignalStop, interrupting
 
 
 def train(argv: list[str] | None = None) -> None:
     """`hgpo_trl.commands.train.main`, after a `--help` or an early refusal."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not answered_early(argv, TRAIN_SECTIONS, "train.py"):
-        from hgpo_trl.commands.train import main
-
+        try:
+            with interrupting():  # (seconds of imports: a scheduler's SIGTERM here ended the run without a word)
+                from hgpo_trl.commands.train import main
+        except SignalStop as stop:
+            print(f"{command_name('train.py')}: {stop} as it started; nothing was trained", file=sys.stderr)
+            raise SystemExit(128 + stop.signal) from None
         main(argv)
 
 

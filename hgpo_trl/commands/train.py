@@ -1,10 +1,13 @@
 """`train.py` / `hgpo-train`: YAML + command-line configuration (TRL's `TrlParser`) into a training run.
 
-    accelerate launch train.py --config configs/quickstart.yaml [--learning_rate 1e-3 ...]
+    python train.py --config configs/quickstart.yaml [--learning_rate 1e-3 ...]   # one process
+    accelerate launch --config_file configs/accelerate/multi_gpu.yaml train.py --config ...   # several
     python train.py --help        # our fields with their help text (--help-all: TRL's and Transformers' too)
 
 Three sections, all top-level keys of the YAML: `EnvArguments` (below), `HGPOConfig` (the trainer) and TRL's
 `ModelConfig` (model path, dtype, LoRA). `model_name_or_path: tiny` builds the offline tiny model and tokenizer.
+One process runs without a launcher: accelerate's one-process launcher kills a run 5 s after a Ctrl-C, before the
+iteration's checkpoint (docs/trainer.md, "Stops that keep what was learned").
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.base import EnvironmentFaults
 from hgpo_trl.evaluation.trajectories import to_html
+from hgpo_trl.runtime.signals import interrupting
 from hgpo_trl.training.reporting import (
     EvaluationBeforeTraining,
     plot_learning,
@@ -185,29 +189,29 @@ def main(argv: list[str] | None = None) -> None:
         return
     if wants_rehearsal(argv):
         rehearse_main(argv)
-    with entry_point_scope():
+    with entry_point_scope(), interrupting():  # (SIGTERM as Ctrl-C: one line, wherever the run is)
+        args = None
         try:
             env_args, args, model_args = parse(argv)
-        except ConfigError as err:
-            print(f"{command_name('train.py')}: configuration error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-        try:
             summary = run(env_args, args, model_args)
-        except ConfigError as err:  # found while loading the tasks or the model, before any training
+        except ConfigError as err:  # the command line, or found while loading the tasks or the model
             print(f"{command_name('train.py')}: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         except EnvironmentFaults as err:  # the environment kept failing: the message says what was saved
             print(f"{command_name('train.py')}: {err}", file=sys.stderr)
             raise SystemExit(1) from None
-        except KeyboardInterrupt as err:  # before training, or a second signal during it
-            print(f"{command_name('train.py')}: {err or 'interrupted; nothing since the last checkpoint is saved'} (the last checkpoint: "
-                  f"{last_checkpoint(args.output_dir) or 'none'})", file=sys.stderr)
+        except KeyboardInterrupt as err:  # outside training, as it started, or a second signal during it
+            checkpoint = last_checkpoint(args.output_dir) if args else None
+            resume = f"; resume with: {resume_command(argv, checkpoint)}" if checkpoint else ""
+            print(f"{command_name('train.py')}: {err or 'interrupted'}; nothing since the last checkpoint is saved (the last "
+                  f"checkpoint: {checkpoint or 'none'}){resume}", file=sys.stderr)
             raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
-    if summary["stopped_by_signal"]:
-        if PartialState().is_main_process:  # (every process stopped; one line)
-            print(f"{command_name('train.py')}: stopped by {summary['stopped_by_signal']} after iteration {summary['iterations']}; "
-                  f"checkpoint {summary['checkpoint']}; resume with: {resume_command(argv, summary['checkpoint'])}")
-        raise SystemExit(128 + getattr(signal, summary["stopped_by_signal"], signal.SIGTERM))
+        if summary["stopped_by_signal"]:
+            if PartialState().is_main_process:  # (every process stopped; one line)
+                print(f"{command_name('train.py')}: stopped by {summary['stopped_by_signal']} after iteration "
+                      f"{summary['iterations']}; checkpoint {summary['checkpoint']}; resume with: "
+                      f"{resume_command(argv, summary['checkpoint'])}")
+            raise SystemExit(128 + getattr(signal, summary["stopped_by_signal"], signal.SIGTERM))
     early = f" ({summary['stopped_early']})" if summary["stopped_early"] else ""
     view = f"; what the agent did: {summary['trajectory_view']}" if "trajectory_view" in summary else ""
     print(f"validation success {rounded(summary['success_rate_start'])} -> {rounded(summary['success_rate_end'])} in "

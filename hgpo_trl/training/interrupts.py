@@ -5,10 +5,13 @@ wherever it is, losing every iteration since the last checkpoint. While `HGPOTra
 SIGINT or SIGTERM only sets a flag (and prints one line); at the end of the iteration being played every process
 asks whether any process saw one (one collective decision: a signal that reached a single rank stops them all
 at the same boundary), and if so the run skips that boundary's evaluation, saves a checkpoint and stops. A second
-signal stops at once: `SecondSignal`, a `KeyboardInterrupt`, nothing saved.
+signal stops at once (`SignalStop`, a `KeyboardInterrupt`, nothing saved), but only one that comes `REPEAT_SECONDS`
+after the first: sooner, it is the same stop delivered again (a launcher's forward of a scheduler's SIGTERM,
+accelerate's SIGTERM after a Ctrl-C; `hgpo_trl.runtime.signals`).
 
-Under `accelerate launch` (torchrun) the launcher forwards the signal to every rank and kills them
-`TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds later (30 by default): set it above an iteration's time at the launch.
+The launcher kills the process some time after it passes a signal on, and the line says when
+(`launcher_deadline`): torchrun (`accelerate launch` of several processes) `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds
+later (30 by default: set it above an iteration's time at the launch), accelerate's one-process launcher 5 s later.
 """
 
 from __future__ import annotations
@@ -23,17 +26,16 @@ from contextlib import contextmanager
 from transformers import TrainerCallback
 
 from hgpo_trl.runtime.collective import any_process
+from hgpo_trl.runtime.signals import (
+    REPEAT_SECONDS,
+    SIGNALS,
+    SignalStop,
+    begin_stop,
+    launcher_deadline,
+    repeats_the_stop,
+    say,
+)
 from hgpo_trl.training.iterations import IterationTrainer
-
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class SecondSignal(KeyboardInterrupt):
-    """A second signal: the run stops at once (`signal`: its number, for the exit status 128 + it)."""
-
-    def __init__(self, message: str, number: int):
-        super().__init__(message)
-        self.signal = number
 
 
 class StopOnSignal(TrainerCallback):
@@ -56,6 +58,7 @@ class StopOnSignal(TrainerCallback):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
+        begin_stop(None)
         previous = {number: signal.signal(number, self._handle) for number in SIGNALS}
         try:
             yield
@@ -89,26 +92,20 @@ class StopOnSignal(TrainerCallback):
             control.should_save = control.should_training_stop = True
 
     def _handle(self, number: int, frame) -> None:
-        name = signal.Signals(number).name
+        now, name = time.monotonic(), signal.Signals(number).name
         if self.requested is not None:
-            raise SecondSignal(f"{name} again: stopped at once; nothing since the last checkpoint is saved", number)
+            if repeats_the_stop(now):
+                return
+            raise SignalStop(f"{name} again: stopped at once", number)
         self.requested = name
-        iteration = self.completed + 1
+        begin_stop(now)
         took = f"iterations take ~{seconds(self.iteration_seconds)}, " if self.iteration_seconds else ""
-        launched = ("; the launcher kills the ranks " + os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30")
-                    + " s after it forwards a signal (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)"
-                    if "TORCHELASTIC_RUN_ID" in os.environ else "")
-        _say(f"[stop] {name}: the run stops when iteration {iteration} ends ({took}this one has run "
-             f"{seconds(time.monotonic() - self.boundary)}) and saves a checkpoint there; {name} again stops at once, "
-             f"saving nothing{launched}")
+        where = (f"the run stops when iteration {self.completed + 1} ends ({took}this one has run "
+                 f"{seconds(now - self.boundary)}) and saves a checkpoint there")
+        deadline = launcher_deadline()
+        say(f"[stop] {name}: {where}; a second Ctrl-C or SIGTERM, {REPEAT_SECONDS:.0f} s or more after this one, "
+            f"stops at once, saving nothing{'; ' + deadline if deadline else ''}")
 
 
 def seconds(value: float) -> str:
     return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
-
-
-def _say(line: str) -> None:
-    """One line on stderr, written whole (a signal handler may interrupt a print in progress)."""
-    rank = os.environ.get("RANK")
-    os.write(2, (f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else "")
-             .encode() + line.encode() + b"\n")
