@@ -160,6 +160,37 @@ def test_a_second_signal_after_the_window_stops_at_once_in_one_line(tmp_path, mo
     assert signal.getsignal(number) in (signal.default_int_handler, signal.SIG_DFL)  # put back, though train() raised
 
 
+def test_a_signal_while_a_resume_loads_its_checkpoint_stops_it_before_its_first_iteration(tmp_path, monkeypatch, capfd):
+    """The handlers are in place before the checkpoint loads; the Trainer's on_train_begin used to forget a
+    signal that came then (the run announced "iteration 1 ... this one has run 740 s", the time since boot, and
+    trained on). Nothing was played since the checkpoint: the run stops before its first iteration, one line
+    says so with the command that resumes it."""
+    from hgpo_trl.commands.train import main
+
+    config = write(tmp_path, RUN)
+    main(["--config", config, "--train_iterations", "1", "--save_every_iterations", "1"])
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    load = HGPOTrainer._load_optimizer_and_scheduler
+
+    def loading(self, resume_from_checkpoint):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return load(self, resume_from_checkpoint)
+
+    monkeypatch.setattr(HGPOTrainer, "_load_optimizer_and_scheduler", loading)
+    started = signal_during(monkeypatch, 0)
+    capfd.readouterr()
+    argv = ["--config", config, "--resume_from_checkpoint", str(checkpoint)]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 128 + signal.SIGTERM and started == []
+    assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-1"]
+    err = capfd.readouterr().err.strip().splitlines()
+    assert err[-2].startswith("[stop] SIGTERM: the run stops before its first iteration (it is starting);")
+    assert err[-1] == (f"train.py: stopped by SIGTERM before iteration 2 began (it came as the run started); nothing "
+                       f"since the last checkpoint is saved (the last checkpoint: {checkpoint}); resume with: python "
+                       f"train.py --config {config} --resume_from_checkpoint {checkpoint}")
+
+
 def test_a_sigterm_while_the_run_starts_ends_it_in_one_line(tmp_path, monkeypatch, capfd, default_actions_raise):
     """Before train() (the model's build, the warm start, the evaluation before training) a scheduler's SIGTERM
     took its default action: the run ended without a line. It ends as a Ctrl-C there does, in one line."""

@@ -4,10 +4,11 @@ A scheduler's SIGTERM before a preemption, or a Ctrl-C in a terminal or a notebo
 wherever it is, losing every iteration since the last checkpoint. While `HGPOTrainer.train` runs, the first
 SIGINT or SIGTERM only sets a flag (and prints one line); at the end of the iteration being played every process
 asks whether any process saw one (one collective decision: a signal that reached a single rank stops them all
-at the same boundary), and if so the run skips that boundary's evaluation, saves a checkpoint and stops. A second
-signal stops at once (`SignalStop`, a `KeyboardInterrupt`, nothing saved), but only one that comes `REPEAT_SECONDS`
-after the first: sooner, it is the same stop delivered again (a launcher's forward of a scheduler's SIGTERM,
-accelerate's SIGTERM after a Ctrl-C; `hgpo_trl.runtime.signals`).
+at the same boundary), and if so the run skips that boundary's evaluation, saves a checkpoint and stops. One that
+came while the run started (its checkpoint loading, DeepSpeed starting) stops it before its first iteration: there
+is nothing new to save. A second signal stops at once (`SignalStop`, a `KeyboardInterrupt`, nothing saved), but
+only one that comes `REPEAT_SECONDS` after the first: sooner, it is the same stop delivered again (a launcher's
+forward of a scheduler's SIGTERM, accelerate's SIGTERM after a Ctrl-C; `hgpo_trl.runtime.signals`).
 
 The launcher kills the process some time after it passes a signal on, and the line says when
 (`launcher_deadline`): torchrun (`accelerate launch` of several processes) `TORCH_ELASTIC_SHUTDOWN_TIMEOUT` seconds
@@ -49,15 +50,18 @@ class StopOnSignal(TrainerCallback):
         self.signal_name: str | None = None  # the signal that stopped the run (on every process)
         self.announce = True
         self.boundary = self.iteration_seconds = 0.0
-        self.completed = 0  # the iterations completed at the last boundary (the counters move inside an iteration)
+        self.completed: int | None = None  # the iterations completed at the last boundary (None: training not begun)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
         """The handlers while the block runs, the previous ones put back however it ends (the Trainer calls no
-        on_train_end when training raises). Signal handlers live in the main thread: elsewhere, none."""
+        on_train_end when training raises). Installed before the checkpoint loads: a signal then is kept for
+        on_train_begin. Signal handlers live in the main thread: elsewhere, none."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return
+        self.requested = self.signal_name = self.completed = None
+        self.boundary = time.monotonic()
         begin_stop(None)
         previous = {number: signal.signal(number, self._handle) for number in SIGNALS}
         try:
@@ -67,8 +71,11 @@ class StopOnSignal(TrainerCallback):
                 signal.signal(number, handler)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.requested = self.signal_name = None
         self.boundary, self.completed = time.monotonic(), self.trainer.completed_iterations
+        if any_process(self.trainer.accelerator, self.requested is not None):  # it came as the run started
+            name = self.requested or "a signal on another process"
+            raise SignalStop(f"stopped by {name} before iteration {self.completed + 1} began (it came as the run "
+                             f"started)", getattr(signal, name, signal.SIGTERM))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.signal_name and self.announce and state.is_world_process_zero:
@@ -99,9 +106,12 @@ class StopOnSignal(TrainerCallback):
             raise SignalStop(f"{name} again: stopped at once", number)
         self.requested = name
         begin_stop(now)
-        took = f"iterations take ~{seconds(self.iteration_seconds)}, " if self.iteration_seconds else ""
-        where = (f"the run stops when iteration {self.completed + 1} ends ({took}this one has run "
-                 f"{seconds(now - self.boundary)}) and saves a checkpoint there")
+        if self.completed is None:
+            where = "the run stops before its first iteration (it is starting)"
+        else:
+            took = f"iterations take ~{seconds(self.iteration_seconds)}, " if self.iteration_seconds else ""
+            where = (f"the run stops when iteration {self.completed + 1} ends ({took}this one has run "
+                     f"{seconds(now - self.boundary)}) and saves a checkpoint there")
         deadline = launcher_deadline()
         say(f"[stop] {name}: {where}; a second Ctrl-C or SIGTERM, {REPEAT_SECONDS:.0f} s or more after this one, "
             f"stops at once, saving nothing{'; ' + deadline if deadline else ''}")
