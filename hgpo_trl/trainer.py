@@ -36,7 +36,7 @@ from hgpo_trl.rollout.generation import generation_settings, trainer_rollout
 from hgpo_trl.rollout.lockstep import Completion, Rollout
 from hgpo_trl.rollout.sampler import TaskSampler
 from hgpo_trl.rollout.vllm_cpu import vllm_starting
-from hgpo_trl.runtime.collective import any_process, process_max, process_sum
+from hgpo_trl.runtime.collective import any_process, leave_at_exit, process_max, process_sum
 from hgpo_trl.runtime.progress import transformers_bars_as_ours, transformers_bars_off
 from hgpo_trl.runtime.seeds import seed_process
 from hgpo_trl.training import checkpoints, loss_inputs
@@ -94,6 +94,7 @@ class HGPOTrainer(GRPOTrainer):
             super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,
                              eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                              optimizers=optimizers, peft_config=peft_config)
+        leave_at_exit()  # (its gloo process group, ended cleanly at exit: hgpo_trl.runtime.collective)
         self.env_factory, self.chat_template_kwargs = trainer_environment(self, env_factory, environment_factory)
         self.rollout_settings = generation_settings(args.rollout_settings(), self._tokenizer, self.model.config,
                                                     args.vllm_max_model_length if args.use_vllm else None,

@@ -11,10 +11,13 @@ signal_at=N: process `signal_rank` (0) sends itself `signal` (SIGINT) as iterati
 mid-iteration): the run stops at the end of iteration N with a checkpoint there.
 pause_at=N: every process, as iteration N's rollout starts, writes its pid to OUT/paused-rankR and waits for the
 file OUT/go: a test signals the processes from outside while each is inside iteration N, whatever its speed.
+Every process writes OUT/exit-rankR at its exit, after every other exit handler: whether its process group was still
+up (torch 2.13's teardown could abort on a gloo one).
 resume=1: continue from the latest checkpoint in OUT. At the end a run's folder holds final.pt, the parameters
 (process 0's), unless a signal stopped it.
 """
 
+import atexit
 import os
 import signal
 import sys
@@ -36,6 +39,9 @@ from tests.conftest import keydoor_corpus
 
 def main(out: str, extra: list[str]) -> None:
     options = dict(arg.split("=", 1) for arg in extra)
+    # (registered first, run last)
+    atexit.register(lambda: Path(out, f"exit-rank{os.environ.get('RANK', '0')}").write_text(
+        str(torch.distributed.is_initialized())))
     tokenizer = build_tiny_tokenizer(keydoor_corpus())
     if "straight" in options:
         train(options["straight"], tokenizer, resume=False)
