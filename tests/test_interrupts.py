@@ -1,11 +1,13 @@
 """Ctrl-C and SIGTERM during training (hgpo_trl.training.interrupts): the first stops the run at the end of the iteration
 being played, with a checkpoint there and one line that says how to resume; the resumed run continues from it."""
 
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -248,20 +250,54 @@ def test_a_signal_during_an_iteration_s_training_names_that_iteration(tmp_path, 
     assert "train.py: stopped by SIGTERM after iteration 2;" in out
 
 
-def test_a_ctrl_c_in_a_rehearsal_between_its_launches_exits_130_in_one_line(monkeypatch, capsys):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_in_a_rehearsal_between_its_launches_is_one_line(stop, monkeypatch, capsys, default_actions_raise):
+    """Outside its launches (the model's build, the report) SIGTERM and SIGHUP took their default action: the
+    rehearsal ended without a line. Each ends it as a Ctrl-C does, 128 + the signal."""
     import hgpo_trl.rehearsal.rehearse as rehearse_module
     from hgpo_trl.rehearsal.launch import RehearsalError, rehearsal_failed
 
     def interrupted(argv):
-        raise KeyboardInterrupt
+        os.kill(os.getpid(), getattr(signal, stop))
+        time.sleep(5)  # (the handler runs before this ends)
 
     monkeypatch.setattr(rehearse_module, "rehearsal_report", interrupted)
     with pytest.raises(RehearsalError) as err:
         rehearse_module.rehearse([])
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(SystemExit) as ended:
         rehearsal_failed(err.value)
-    assert stop.value.code == 130
-    assert capsys.readouterr().err == "train.py --rehearse: interrupted by SIGINT, with no launch running\n"
+    assert ended.value.code == 128 + getattr(signal, stop)
+    assert capsys.readouterr().err == f"train.py --rehearse: interrupted by {stop}, with no launch running\n"
+
+
+def test_a_signal_during_the_rehearsals_op_build_stops_the_build(monkeypatch, default_actions_raise):
+    """DeepSpeed's op build is a process of its own (a first build runs compilers for minutes): a SIGTERM left it
+    running. It is stopped, with whatever it started, and the rehearsal says so in one line."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs the deepspeed extra")
+    import psutil
+
+    import hgpo_trl.rehearsal.rehearse as rehearse_module
+    from hgpo_trl.rehearsal.launch import RehearsalError, build_deepspeed_op
+
+    builds: list[psutil.Process] = []
+
+    def signal_once_it_builds():
+        while not builds:
+            builds.extend(p for p in psutil.Process().children() if "build_shm_op" in " ".join(p.cmdline()))
+            time.sleep(0.05)
+        builds.extend(builds[0].children(recursive=True))
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def building(argv):
+        threading.Thread(target=signal_once_it_builds, daemon=True).start()
+        build_deepspeed_op()
+        time.sleep(5)  # (a build faster than the signal: the handler runs before this ends)
+
+    monkeypatch.setattr(rehearse_module, "rehearsal_report", building)
+    with pytest.raises(RehearsalError, match="^interrupted by SIGTERM, with no launch running$"):
+        rehearse_module.rehearse([])
+    assert builds and not [p for p in builds if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 # ------------------------------------------------------------------ real launches, signalled from outside

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,22 +159,43 @@ def build_deepspeed_op() -> float:
     load it, and none compiles it inside the launch (torch's lock makes the others wait minutes for the one that
     does); its seconds (a load: seconds; a first build: 1-4 minutes)."""
     start = time.time()
-    done = subprocess.run([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
-                          env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True)
-    if done.returncode:
+    # In a session of its own, stopped with every compiler it started whatever ends the wait (a signal: `stopping`).
+    build = subprocess.Popen([sys.executable, "-c", "from deepspeed.comm.torch import build_shm_op; build_shm_op()"],
+                             env={**os.environ, "DS_ACCELERATOR": "cpu"}, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = build.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
+    if build.returncode:
         raise RehearsalError(f"DeepSpeed's CPU op did not build (make deepspeed-ops builds it at set-up): "
-                             f"{(done.stderr.strip().splitlines() or ['no output'])[-1]}")
+                             f"{(err.strip().splitlines() or ['no output'])[-1]}")
     return time.time() - start
 
 
-class _Stop(BaseException):
-    """A STOP_SIGNALS signal during a launch (its name)."""
+class Stopped(BaseException):
+    """A STOP_SIGNALS signal while `stopping` holds (its name)."""
 
 
 def _stop(number: int, frame) -> None:
-    for each in STOP_SIGNALS:  # a second signal must not cut the stopping short (nor raise a second _Stop)
+    for each in STOP_SIGNALS:  # a second signal must not cut the stopping short (nor raise a second Stopped)
         signal.signal(each, signal.SIG_IGN)
-    raise _Stop(signal.Signals(number).name)
+    raise Stopped(signal.Signals(number).name)
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[None]:
+    """STOP_SIGNALS raise `Stopped` while the block runs (one the user ignores, as nohup does, stays ignored); the
+    previous handlers after. Signal handlers live in the main thread: elsewhere, none."""
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.signal(s, _stop) for s in STOP_SIGNALS if main and signal.getsignal(s) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
 
 
 def run_launches(commands: list[tuple[list[str], Path]], env: dict[str, str], timeout: float,
@@ -185,40 +206,38 @@ def run_launches(commands: list[tuple[list[str], Path]], env: dict[str, str], ti
     and which log to read (one line for a signal). `watch(seconds so far, the launch's mark, the first log)` is
     called as it waits (`watch.LaunchWatch`: the lines that say where the launch is)."""
     mark, start, running = uuid.uuid4().hex, time.time(), []
-    main = threading.current_thread() is threading.main_thread()  # (signal handlers live in the main thread)
-    handlers = {s: signal.signal(s, _stop) for s in STOP_SIGNALS if main and signal.getsignal(s) != signal.SIG_IGN}
     failed = None
-    try:
-        for command, out in commands:
-            with out.open("w") as file:
-                # In a session of its own: a terminal's Ctrl-C reaches this process alone, which stops them all.
-                running.append((subprocess.Popen(command, env={**env, MARK: mark}, stdout=file,
-                                                 stderr=subprocess.STDOUT, start_new_session=True), out))
-        while failed is None and any(proc.poll() is None for proc, _ in running):
-            failed = next(((f"exit code {proc.returncode}", out) for proc, out in running
-                           if proc.poll() not in (None, 0)), None)
-            if failed is None and time.time() - start > timeout:
-                failed = (f"no end within {timeout:.0f} s{f' ({bound})' if bound else ''}: hung?", running[0][1])
-            if failed is None and watch is not None:
-                watch(time.time() - start, mark, commands[0][1])
-            time.sleep(0.5)
-        failed = failed or next(((f"exit code {proc.returncode}", out) for proc, out in running if proc.returncode),
-                                None)
-    except _Stop as stop:
-        raise RehearsalInterrupted(f"interrupted by {stop}: every process the launch started was stopped (its logs: "
-                                   f"{', '.join(str(out) for _, out in running) or 'none yet'})",
-                                   getattr(signal, str(stop))) from None
-    finally:
-        for number in handlers:  # a second Ctrl-C must not cut the stopping short
-            signal.signal(number, signal.SIG_IGN)
-        for proc, _ in running:  # each launcher's process group, then every process that holds the mark
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        stop_marked(mark)
-        for proc, _ in running:
-            proc.wait()
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
+    with stopping():
+        try:
+            for command, out in commands:
+                with out.open("w") as file:
+                    # In a session of its own: a terminal's Ctrl-C reaches this process alone, which stops them all.
+                    running.append((subprocess.Popen(command, env={**env, MARK: mark}, stdout=file,
+                                                     stderr=subprocess.STDOUT, start_new_session=True), out))
+            while failed is None and any(proc.poll() is None for proc, _ in running):
+                failed = next(((f"exit code {proc.returncode}", out) for proc, out in running
+                               if proc.poll() not in (None, 0)), None)
+                if failed is None and time.time() - start > timeout:
+                    failed = (f"no end within {timeout:.0f} s{f' ({bound})' if bound else ''}: hung?", running[0][1])
+                if failed is None and watch is not None:
+                    watch(time.time() - start, mark, commands[0][1])
+                time.sleep(0.5)
+            failed = failed or next(((f"exit code {proc.returncode}", out) for proc, out in running
+                                     if proc.returncode), None)
+        except Stopped as stop:
+            raise RehearsalInterrupted(f"interrupted by {stop}: every process the launch started was stopped (its "
+                                       f"logs: {', '.join(str(out) for _, out in running) or 'none yet'})",
+                                       getattr(signal, str(stop))) from None
+        finally:
+            for number in STOP_SIGNALS:  # a second Ctrl-C must not cut the stopping short (`stopping` restores)
+                if signal.getsignal(number) is _stop:
+                    signal.signal(number, signal.SIG_IGN)
+            for proc, _ in running:  # each launcher's process group, then every process that holds the mark
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_marked(mark)
+            for proc, _ in running:
+                proc.wait()
     if failed is not None:
         why, out = failed
         lines = out.read_text(errors="replace").splitlines()

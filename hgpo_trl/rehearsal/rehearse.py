@@ -24,6 +24,7 @@ from hgpo_trl.rehearsal.launch import (
     LaunchFile,
     RehearsalError,
     RehearsalInterrupted,
+    Stopped,
     build_deepspeed_op,
     build_model,
     cpu_launch_file,
@@ -31,6 +32,7 @@ from hgpo_trl.rehearsal.launch import (
     launch,
     prepare_folder,
     read_launch_file,
+    stopping,
 )
 from hgpo_trl.rehearsal.plan import (
     FIRST_LAUNCH_ITERATIONS,
@@ -145,12 +147,13 @@ class Rehearsal:
 
 def rehearse(argv: list[str]) -> dict[str, Any]:
     """Rehearse the run `argv` describes (train.py's command line, with or without --rehearse); the report,
-    also written to its folder's rehearsal.json. A Ctrl-C is one RehearsalError line (a launch stops every
-    process it started first)."""
+    also written to its folder's rehearsal.json. A Ctrl-C, SIGTERM or SIGHUP is one RehearsalError line (a launch
+    stops every process it started first, the op build its compilers)."""
     try:
-        return rehearsal_report(argv)
-    except KeyboardInterrupt:  # outside the launches, which say it themselves
-        raise RehearsalInterrupted("interrupted by SIGINT, with no launch running", signal.SIGINT) from None
+        with stopping():  # (outside the launches, SIGTERM and SIGHUP took their default action: no line)
+            return rehearsal_report(argv)
+    except Stopped as stop:  # outside the launches, which say it themselves
+        raise RehearsalInterrupted(f"interrupted by {stop}, with no launch running", getattr(signal, str(stop))) from None
 
 
 def rehearsal_report(argv: list[str]) -> dict[str, Any]:
