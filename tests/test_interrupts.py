@@ -47,11 +47,11 @@ def test_a_signal_mid_iteration_stops_at_its_end_with_a_checkpoint_and_the_resum
     with pytest.raises(SystemExit) as stop:
         main(["--config", config])
     assert stop.value.code == 128 + number
-    out, err = capfd.readouterr()
+    out = capfd.readouterr().out
     name = signal.Signals(number).name
     checkpoint = tmp_path / "out" / "checkpoint-2"
     assert started == [1, 2] and checkpoint.is_dir()  # iteration 2 was finished, not cut: its checkpoint
-    assert f"[stop] {name}: the run stops when iteration 2 ends" in err
+    assert f"[stop] {name}: the run stops when iteration 2 ends" in out
     assert out.strip().splitlines()[-1] == (f"train.py: stopped by {name} after iteration 2; checkpoint {checkpoint}; "
                                             f"resume with: python train.py --config {config} "
                                             f"--resume_from_checkpoint {checkpoint}")
@@ -124,7 +124,7 @@ def test_a_stop_delivered_again_still_ends_with_its_checkpoint_and_the_resume_li
     checkpoint = tmp_path / "out" / "checkpoint-2"
     assert stop.value.code == 128 + numbers[0] and started == [1, 2] and checkpoint.is_dir()
     out, err = capfd.readouterr()
-    assert err.count("[stop] ") == 1 and "again" not in err
+    assert out.count(f"[stop] {name}: ") == 1 and "again: stopped at once" not in out + err
     assert out.strip().splitlines()[-1] == (f"train.py: stopped by {name} after iteration 2; checkpoint {checkpoint}; "
                                             f"resume with: python train.py --config {config} "
                                             f"--resume_from_checkpoint {checkpoint}")
@@ -155,9 +155,10 @@ def test_a_second_signal_after_the_window_stops_at_once_in_one_line(tmp_path, mo
         main(["--config", write(tmp_path, RUN)])
     assert stop.value.code == 128 + number and started == [1, 2]  # (as a shell reports a process the signal ended)
     name = signal.Signals(number).name
-    err = capfd.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"train.py: {name} again: stopped at once; nothing since the last checkpoint is saved (the last "
-                       "checkpoint: none)") and err[-2].startswith(f"[stop] {name}: the run stops when")
+    out, err = capfd.readouterr()
+    assert err.strip().splitlines()[-1] == (f"train.py: {name} again: stopped at once; nothing since the last checkpoint "
+                                            "is saved (the last checkpoint: none)")
+    assert out.strip().splitlines()[-1].startswith(f"[stop] {name}: the run stops when")
     assert not list((tmp_path / "out").glob("checkpoint-*"))
     assert signal.getsignal(number) in (signal.default_int_handler, signal.SIG_DFL)  # put back, though train() raised
 
@@ -186,11 +187,13 @@ def test_a_signal_while_a_resume_loads_its_checkpoint_stops_it_before_its_first_
         main(argv)
     assert stop.value.code == 128 + signal.SIGTERM and started == []
     assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == ["checkpoint-1"]
-    err = capfd.readouterr().err.strip().splitlines()
-    assert err[-2].startswith("[stop] SIGTERM: the run stops before its first iteration (it is starting);")
-    assert err[-1] == (f"train.py: stopped by SIGTERM before iteration 2 began (it came as the run started); nothing "
-                       f"since the last checkpoint is saved (the last checkpoint: {checkpoint}); resume with: python "
-                       f"train.py --config {config} --resume_from_checkpoint {checkpoint}")
+    out, err = capfd.readouterr()
+    assert out.strip().splitlines()[-1].startswith("[stop] SIGTERM: the run stops before its first iteration (it is "
+                                                   "starting);")
+    assert err.strip().splitlines()[-1] == (
+        f"train.py: stopped by SIGTERM before iteration 2 began (it came as the run started); nothing since the last "
+        f"checkpoint is saved (the last checkpoint: {checkpoint}); resume with: python train.py --config {config} "
+        f"--resume_from_checkpoint {checkpoint}")
 
 
 def test_a_sigterm_while_the_run_starts_ends_it_in_one_line(tmp_path, monkeypatch, capfd, default_actions_raise):
@@ -245,8 +248,8 @@ def test_a_signal_during_an_iteration_s_training_names_that_iteration(tmp_path, 
     monkeypatch.setattr(HGPOTrainer, "compute_loss", computing)
     with pytest.raises(SystemExit):
         main(["--config", write(tmp_path, RUN)])
-    out, err = capfd.readouterr()
-    assert "[stop] SIGTERM: the run stops when iteration 2 ends" in err
+    out = capfd.readouterr().out
+    assert "[stop] SIGTERM: the run stops when iteration 2 ends" in out
     assert "train.py: stopped by SIGTERM after iteration 2;" in out
 
 
@@ -343,7 +346,8 @@ def test_a_scheduler_s_sigterm_to_every_process_of_a_launch_ends_with_the_checkp
     output = ended(launched, tmp_path)
     assert launched.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"], output[-3000:]
-    assert output.count("[stop] SIGTERM: the run stops when iteration 2 ends") == 2 and "again" not in output
+    assert output.count("[stop] SIGTERM: the run stops when iteration 2 ends") == 2
+    assert "again: stopped at once" not in output
     assert f"[stop] stopped by SIGTERM after iteration 2: {tmp_path / 'checkpoint-2'} holds it" in output
 
 
@@ -357,6 +361,7 @@ def test_a_ctrl_c_under_a_one_process_launch_ends_with_the_checkpoint_and_names_
     output = ended(launched, tmp_path)
     assert launched.returncode == 128 + signal.SIGINT, output[-3000:]
     assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"], output[-3000:]
-    assert "[stop] SIGINT: the run stops when iteration 2 ends" in output and "again" not in output
+    assert "[stop] SIGINT: the run stops when iteration 2 ends" in output
+    assert "again: stopped at once" not in output
     assert "accelerate launch kills this process 5 s after a Ctrl-C or SIGTERM reaches it" in output
     assert f"[stop] stopped by SIGINT after iteration 2: {tmp_path / 'checkpoint-2'} holds it" in output

@@ -203,8 +203,8 @@ def main(argv: list[str] | None = None) -> None:
         except KeyboardInterrupt as err:  # outside training, as it started, or a second signal during it
             checkpoint = last_checkpoint(args.output_dir) if args else None
             resume = f"; resume with: {resume_command(argv, checkpoint)}" if checkpoint else ""
-            print(f"{command_name('train.py')}: {err or 'interrupted'}; nothing since the last checkpoint is saved (the last "
-                  f"checkpoint: {checkpoint or 'none'}){resume}", file=sys.stderr)
+            print(f"{command_name('train.py')}: {err or 'interrupted'}; nothing since the last checkpoint is saved "
+                  f"(the last checkpoint: {checkpoint or 'none'}){resume}", file=sys.stderr)
             raise SystemExit(128 + getattr(err, "signal", signal.SIGINT)) from None
         if summary["stopped_by_signal"]:
             if PartialState().is_main_process:  # (every process stopped; one line)

@@ -15,8 +15,10 @@ later than that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -83,7 +85,11 @@ def launcher_deadline() -> str:
 
 
 def say(line: str) -> None:
-    """One line on stderr, written whole (a signal handler may interrupt a print in progress)."""
+    """One line on stdout, after what was printed before it, written whole (a signal handler may interrupt a print in
+    progress). Not stderr: accelerate's one-process launcher relays the process's stderr, and lost what arrived as
+    it handled a Ctrl-C (1 run in 3 here); stdout it leaves alone."""
+    with contextlib.suppress(RuntimeError, ValueError, OSError):  # (a print this handler interrupted cannot flush)
+        sys.stdout.flush()
     rank = os.environ.get("RANK")
-    os.write(2, (f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else "")
+    os.write(1, (f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else "")
              .encode() + line.encode() + b"\n")
