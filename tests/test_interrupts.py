@@ -1,6 +1,7 @@
 """Ctrl-C and SIGTERM during training (hgpo_trl.training.interrupts): the first stops the run at the end of the iteration
 being played, with a checkpoint there and one line that says how to resume; the resumed run continues from it."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -284,22 +285,34 @@ def test_a_signal_during_the_rehearsals_op_build_stops_the_build(monkeypatch, de
     from hgpo_trl.rehearsal.launch import RehearsalError, build_deepspeed_op
 
     builds: list[psutil.Process] = []
+    signalled = threading.Event()
 
     def signal_once_it_builds():
-        while not builds:
-            builds.extend(p for p in psutil.Process().children() if "build_shm_op" in " ".join(p.cmdline()))
+        deadline = time.monotonic() + 60
+        while not builds and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):  # (a child that ended as it was read)
+                builds.extend(p for p in psutil.Process().children() if "build_shm_op" in " ".join(p.cmdline()))
             time.sleep(0.05)
-        builds.extend(builds[0].children(recursive=True))
+        if not builds:
+            return
+        with contextlib.suppress(psutil.Error):
+            builds.extend(builds[0].children(recursive=True))
         os.kill(os.getpid(), signal.SIGTERM)
+        signalled.set()
+
+    sender = threading.Thread(target=signal_once_it_builds, daemon=True)
 
     def building(argv):
-        threading.Thread(target=signal_once_it_builds, daemon=True).start()
+        sender.start()
         build_deepspeed_op()
-        time.sleep(5)  # (a build faster than the signal: the handler runs before this ends)
+        signalled.wait(60)  # (a build faster than the signal: it lands here, still inside the rehearsal)
 
     monkeypatch.setattr(rehearse_module, "rehearsal_report", building)
-    with pytest.raises(RehearsalError, match="^interrupted by SIGTERM, with no launch running$"):
-        rehearse_module.rehearse([])
+    try:
+        with pytest.raises(RehearsalError, match="^interrupted by SIGTERM, with no launch running$"):
+            rehearse_module.rehearse([])
+    finally:
+        sender.join(60)  # (no SIGTERM after this test)
     assert builds and not [p for p in builds if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
