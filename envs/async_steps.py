@@ -11,6 +11,8 @@ answers that came. The pool's fault rules hold, one environment's step at a time
   the fault ("timed out after X s", "worker died ..."), now or at its next submit, as lock-step gives every
   environment of the failed call (in lock-step every live episode steps in every call).
 With `InProcessEnvs` (fast environments) `submit` steps at once: nothing overlaps, but the loop is the same.
+A rollout that an exception ends (Ctrl-C) calls `abandon`: the workers with steps in flight restart before the
+pool's next call, so that their answers never answer the next rollout's.
 """
 
 from __future__ import annotations
@@ -56,28 +58,30 @@ class AsyncSteps:
             return
         w = self._pool._owner[index]  # (the pool's own bookkeeping: pool.py holds the protocol both share)
         queue = self._queues[w]
+        queue.indices.append(index)  # (before the send: a send that an interruption cuts short is in flight too)
         try:
             self._pool._workers[w].conn.send(("step", [(index, action)]))
         except OSError:
-            queue.indices.append(index)
             self._fail(w, self._pool._died(w))
             return
-        queue.indices.append(index)
         if queue.deadline is None:
             queue.deadline = self._deadline()
 
     def collect(self, wait: bool) -> dict[int, StepResult]:
         """The results that came; with `wait`, at least one when a step is pending (or a deadline passes)."""
-        try:
-            while self._pool is not None and any(q.indices for q in self._queues):
-                self._receive(wait and not self._results)
-                if self._results or not wait:
-                    break
-        except BaseException:
-            self.envs.close()  # interrupted (Ctrl-C): answers still in flight would answer the next rollout's calls
-            raise
+        while self._pool is not None and any(q.indices for q in self._queues):
+            self._receive(wait and not self._results)
+            if self._results or not wait:
+                break
         results, self._results = self._results, {}
         return results
+
+    def abandon(self) -> None:
+        """The rollout ends here (an exception, Ctrl-C): every worker with a step in flight restarts before the pool's
+        next call (the next rollout's reset), its answers unread. The object is done with."""
+        busy = {w for w, queue in enumerate(self._queues) if queue.indices}
+        if busy:
+            self._pool._interrupted.update(busy)
 
     def _deadline(self) -> float | None:
         timeout = self._pool.step_timeout

@@ -11,7 +11,8 @@ Faults are results, not exceptions, so one broken environment never stops traini
 - a worker that dies, or does not answer within `step_timeout`/`reset_timeout`, is killed and restarted with
   fresh environments; every environment of that worker in the call gets a fault result ("worker died ...",
   "timed out after X s"), and the others it held are lost too (a step before their next reset is a fault).
-`faults` counts the fault results since the batch was built (for the `env/faults` metric).
+`faults` counts the fault results since the batch was built (for the `env/faults` metric). The workers of a call
+an exception ends (Ctrl-C) restart before their next call (not at once: a run that stops waits for no new worker).
 
 `render_prompt` needs no round trip: it calls the template of one environment built here and never reset, so
 the environment's `render_prompt` must not depend on its state (true of keydoor; require it of new envs).
@@ -224,12 +225,9 @@ def _start(context, factory: Callable[[], TextEnv], indices: range) -> _Worker:
 def _stop(workers: list[_Worker], grace: float) -> None:
     """Ask the workers to finish within `grace` seconds (0: do not ask), terminate or kill those that do not,
     reap them all, and empty the list."""
-    if grace > 0:
-        for worker in workers:
-            try:
-                worker.conn.send(None)
-            except OSError:
-                pass  # it is gone already
+    for worker in workers if grace > 0 else ():
+        with suppress(OSError):  # (it is gone already)
+            worker.conn.send(None)
     deadline = time.monotonic() + grace
     for worker in workers:
         worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -293,6 +291,7 @@ class WorkerPoolEnvs(_Batch):
                   for w in range(num_workers)]
         self._owner = [w for w, share in enumerate(shares) for _ in share]
         self._workers: list[_Worker] = []
+        self._interrupted: set[int] = set()  # workers whose answers to an interrupted call may still come
         # Runs on close(), on garbage collection, and at exit before multiprocessing joins its children
         # (which would wait forever on workers still serving).
         self._finalizer = multiprocessing.util.Finalize(self, _stop, args=(self._workers, 5.0), exitpriority=10)
@@ -322,19 +321,22 @@ class WorkerPoolEnvs(_Batch):
     def _call(self, command: str, arguments: Mapping[int, Any], timeout: float | None) -> dict[int, StepResult]:
         if not self._workers:
             raise RuntimeError("the environment pool is closed")
+        for w in sorted(self._interrupted):  # (their answers to an interrupted call may still come)
+            self._restart(w)
+        self._interrupted.clear()
         jobs: dict[int, list[tuple[int, Any]]] = {}
         for index in sorted(arguments):
             jobs.setdefault(self._owner[index], []).append((index, arguments[index]))
         failed: dict[int, str] = {}
-        for w, items in jobs.items():
-            try:
-                self._workers[w].conn.send((command, items))
-            except OSError:
-                failed[w] = self._died(w)
         try:
+            for w, items in jobs.items():
+                try:
+                    self._workers[w].conn.send((command, items))
+                except OSError:
+                    failed[w] = self._died(w)
             replies = self._collect([w for w in jobs if w not in failed], timeout, failed)
         except BaseException:
-            self.close()  # interrupted (Ctrl-C): replies still in flight would answer the next call
+            self._interrupted.update(jobs)  # (Ctrl-C): replies still in flight would answer the next call
             raise
         results: dict[int, StepResult] = {}  # in index order: the workers' shares are contiguous, in order
         for w, items in jobs.items():

@@ -3,6 +3,8 @@ faults and progress calls, whatever the completions' lengths and the environment
 
 import functools
 import importlib.util
+import os
+import signal
 import time
 import zlib
 
@@ -79,6 +81,90 @@ def both(envs_factory, tasks, group_size, stream, policy, **settings):
                 rollout = run_continuous(envs, tasks, group_size, stream, settings, **options)
         played.append((rollout, turns, sorted(ends)))
     return played
+
+
+class SleepyKeyDoor(KeyDoorEnv):
+    """Keydoor whose steps take 0.3 s: an answer is still in its worker's pipe while the engine steps on."""
+
+    def step(self, action):
+        time.sleep(0.3)
+        return super().step(action)
+
+
+class CtrlCStream(PolicyStream):
+    """Completes one episode's request per engine step, in key order, and is interrupted by a Ctrl-C (a real SIGINT
+    to this process) at its engine step `at`."""
+
+    def __init__(self, policy, at: int):
+        super().__init__(policy)
+        self.at, self.steps = at, 0
+
+    def finished(self):
+        self.steps += 1
+        if self.steps == self.at:
+            signal.raise_signal(signal.SIGINT)
+        first = min(self._waiting)
+        return list(zip([first], self.policy([self._waiting.pop(first)]), strict=True))
+
+
+def test_a_rollout_interrupted_with_steps_in_flight_leaves_the_next_one_clean():
+    """Ctrl-C while episode 0's step is in its worker and the engine generates episode 1's completion: the next
+    rollout in the same pool plays from its own resets (the interrupted step's answer must not answer them)."""
+    tasks, settings = list(make_tasks("keydoor", "train", num_tasks=2)), RolloutSettings(action_mode="plain", max_steps=5)
+    policy = scripted(optimal_action)
+    with WorkerPoolEnvs(SleepyKeyDoor, 2, num_workers=2) as envs:  # (one environment a worker: a reply of one)
+        with pytest.raises(KeyboardInterrupt):
+            run_continuous(envs, tasks, 1, CtrlCStream(policy, at=2), settings)
+        again = run_continuous(envs, tasks, 1, PolicyStream(policy), settings)
+        assert envs.faults == 0
+    clean = run_rollout(InProcessEnvs(functools.partial(make_env, "keydoor"), 2), tasks, 1, policy, settings)
+    assert again.steps == clean.steps and again.episodes == clean.episodes
+    assert all(e.won for e in again.episodes)
+
+
+class CtrlCKeyDoor(KeyDoorEnv):
+    """Keydoor whose first step of a whole test (`flag`: a file made once) sends its trainer process a Ctrl-C (a real
+    SIGINT) and then takes 1 s, so that the trainer is waiting on it."""
+
+    def __init__(self, flag: str, **kwargs):
+        super().__init__(**kwargs)
+        self.flag = flag
+
+    def step(self, action):
+        try:
+            os.close(os.open(self.flag, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return super().step(action)
+        time.sleep(0.3)  # (the trainer waits on its environments by now)
+        os.kill(os.getppid(), signal.SIGINT)
+        time.sleep(1.0)
+        return super().step(action)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lockstep", "continuous"])
+def test_after_a_ctrl_c_during_evaluate_the_trainer_s_environments_evaluate_again(tmp_path, tiny_tokenizer, mode):
+    """A notebook's Ctrl-C while evaluate() waits on the environment workers, then evaluate() again: the same
+    trainer evaluates as on fresh workers (neither a closed pool nor the interrupted steps' answers)."""
+    from hgpo_trl.models.tiny import build_tiny_model
+    from tests.test_trainer import make_config, make_trainer
+
+    model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    args = make_config(tmp_path, rollout_mode=mode, env_workers=2, eval_temperature=0.0, action_mode="tags",
+                       invalid_action="execute")  # (every turn steps the environment, whatever the model writes)
+    trainer = make_trainer(model, tiny_tokenizer, args,
+                           env_factory=functools.partial(CtrlCKeyDoor, str(tmp_path / "signalled")))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.evaluate()
+        assert (tmp_path / "signalled").exists()
+        again = trainer.evaluate()
+        trainer.close_environments()
+        fresh = trainer.evaluate()
+    finally:
+        trainer.close_environments()
+    keys = ("eval_success_rate", "eval_episode_reward", "eval_episode_length", "eval_faulted", "eval_tasks")
+    assert {k: again[k] for k in keys} == {k: fresh[k] for k in keys} and again["eval_faulted"] == 0
 
 
 @pytest.mark.parametrize("invalid_action", ["noop", "end_episode", "execute"])

@@ -128,6 +128,18 @@ def bfloat16_spacing(scale: float) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["continuous", "lockstep"])
+def test_a_rollout_after_one_interrupted_by_ctrl_c_plays_as_on_a_clean_engine(runs, mode):
+    """A Ctrl-C during an engine step of a colocated rollout left its requests in vLLM's engine, and the next
+    rollout on it failed: continuous, a KeyError for a request id of the rollout before; lock-step, TRL's generate
+    waited forever for requests whose outputs the interrupted step had lost. None is left now, and the next greedy
+    rollout plays the same steps as the one before the interruption."""
+    interrupted = runs["training"]["interruptions"][mode]
+    assert interrupted.get("error") is None
+    assert interrupted["engine_steps"] >= 3 and interrupted["left"] == 0 and interrupted["same_steps"]
+
+
+@pytest.mark.slow
 def test_right_after_a_sync_vllm_generates_what_the_trainer_model_does(runs):
     """vLLM runs the float32 checkpoint in bfloat16 (its "auto" dtype; TRL's colocated engine sets none), the
     trainer in float32, so what the sync guarantees is bfloat16's: every token's log-probability within its

@@ -4,13 +4,14 @@ up), so it runs beside pytest, not in it. On one tiny model of head size 32 (vLL
 one), it plays greedy evaluations with vLLM and with transformers (hgpo-eval's command line, evaluate_model),
 trains HGPO with colocated vLLM (continuous rollouts: rollout_mode auto), then probes the weight sync: vLLM's
 greedy completions and log-probabilities against the trainer model's, before and after a sync; and the streamed
-requests: seeded samples alone and batched, greedy rollouts lock-step and continuous. Writes results.json in the
-folder it is given.
+requests: seeded samples alone and batched, greedy rollouts lock-step and continuous, and rollouts after one that a
+Ctrl-C interrupted. Writes results.json in the folder it is given.
 
     python tests/vllm_cpu_runs.py OUT
 """
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -191,6 +192,58 @@ def stream_probe(trainer: HGPOTrainer) -> dict:
                                               [b.completion.logprobs for _, b in steps])}
 
 
+def after_an_interruption(trainer: HGPOTrainer, tasks: list) -> dict:
+    """A greedy rollout of `tasks`, the same with a Ctrl-C (a real SIGINT to this process) during its third engine
+    step (after the model ran, before vLLM read its outputs), then the same again on the same engine: the engine
+    steps run, the requests the engine still held after the interruption, whether the last played the first's steps."""
+    engine, calls = trainer.vllm_generation.llm.llm_engine, []
+    clean = trainer._play(tasks, 1, 0.0)
+
+    def interrupted(*args, process=engine.output_processor.process_outputs, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return process(*args, **kwargs)
+
+    engine.output_processor.process_outputs = interrupted
+    try:
+        trainer._play(tasks, 1, 0.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        del engine.output_processor.process_outputs  # (the instance's own: the class's method again)
+    left = engine.get_num_unfinished_requests()
+    again = trainer._play(tasks, 1, 0.0)
+    return {"engine_steps": len(calls), "left": left, "same_steps": [
+        (s.traj, s.step, s.completion.completion_ids, s.action) for s in again.steps] == [
+        (s.traj, s.step, s.completion.completion_ids, s.action) for s in clean.steps]}
+
+
+def no_answer(*_) -> None:
+    raise TimeoutError("no answer in 120 s (an engine left with requests that never finish steps forever)")
+
+
+def interrupted_rollouts(trainer: HGPOTrainer) -> dict:
+    """`after_an_interruption` in each rollout mode, on 8 keydoor tasks, or the error it met; each mode from a clean
+    engine, whatever the code under test left in it, and under an alarm (TRL's generate on an engine that holds
+    requests whose outputs were lost steps forever)."""
+    tasks, mode_trained, report = list(make_tasks("keydoor", "train", num_tasks=8)), trainer.args.rollout_mode, {}
+    engine, previous = trainer.vllm_generation.llm.llm_engine, signal.signal(signal.SIGALRM, no_answer)
+    for mode in ("continuous", "lockstep"):
+        trainer.args.rollout_mode = mode
+        signal.alarm(120)
+        try:
+            report[mode] = after_an_interruption(trainer, tasks)
+        except Exception as err:  # (a KeyError for a request id of the interrupted rollout; the alarm)
+            report[mode] = {"error": f"{type(err).__name__}: {err}"}
+        finally:
+            signal.alarm(0)
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
+    signal.signal(signal.SIGALRM, previous)
+    trainer.args.rollout_mode = mode_trained
+    return report
+
+
 def training(path: Path, out: Path) -> dict:
     """Two HGPO iterations with colocated vLLM, counting the weight syncs, then the probe and an evaluation."""
     args = HGPOConfig(output_dir=str(out / "run"), per_device_train_batch_size=16, num_generations=4,
@@ -210,11 +263,12 @@ def training(path: Path, out: Path) -> dict:
                "continuous": trainer.args.continuous_rollout}
     probe = sync_probe(trainer)
     streams = stream_probe(trainer)
+    interruptions = interrupted_rollouts(trainer)
     evaluated = trainer.evaluate()
     generation.sync_weights = sync
     logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
     return {**trained, "iterations": len(logs), "collected": [h["steps/collected"] for h in logs],
-            "eval_tasks": evaluated["eval_tasks"], "probe": probe, "streams": streams}
+            "eval_tasks": evaluated["eval_tasks"], "probe": probe, "streams": streams, "interruptions": interruptions}
 
 
 def serve(path: Path, out: Path) -> tuple[subprocess.Popen, int]:

@@ -37,6 +37,9 @@ class CompletionStream(Protocol):
     def finished(self) -> list[tuple[int, Completion]]:
         """Generate for a while (one engine step) and return the completions that finished, by key."""
 
+    def abort(self) -> None:
+        """Drop every request not finished yet (the rollout ended early), so that none reaches the next rollout."""
+
 
 class PolicyStream:
     """Any batch `Policy` as a `CompletionStream`: each `finished()` answers every prompt submitted since the last
@@ -56,6 +59,9 @@ class PolicyStream:
         if len(completions) != len(prompts):
             raise RuntimeError(f"the policy returned {len(completions)} completions for {len(prompts)} prompts")
         return list(zip(keys, completions, strict=True))
+
+    def abort(self) -> None:
+        self._waiting.clear()
 
 
 def run_continuous(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_size: int, stream: CompletionStream,
@@ -96,21 +102,26 @@ def run_continuous(envs: EnvBatch, tasks: Sequence[Mapping[str, Any]], group_siz
         steps.submit(i, action)
         play.env_seconds += time.perf_counter() - tick
 
-    for i in play.live():
-        ask(i)
-    while asked or stepping:
-        if asked:
+    try:
+        for i in play.live():
+            ask(i)
+        while asked or stepping:
+            if asked:
+                tick = time.perf_counter()
+                done = stream.finished()
+                generation_seconds += time.perf_counter() - tick
+                for i, completion in done:
+                    answered(i, completion)
             tick = time.perf_counter()
-            done = stream.finished()
-            generation_seconds += time.perf_counter() - tick
-            for i, completion in done:
-                answered(i, completion)
-        tick = time.perf_counter()
-        results = steps.collect(wait=not asked)  # wait only when the engine has nothing to generate
-        if not asked:
-            play.env_seconds += time.perf_counter() - tick
-        for i, result in sorted(results.items()):
-            play.record(i, *stepping.pop(i), result)
-            if not play.done[i]:
-                ask(i)
+            results = steps.collect(wait=not asked)  # wait only when the engine has nothing to generate
+            if not asked:
+                play.env_seconds += time.perf_counter() - tick
+            for i, result in sorted(results.items()):
+                play.record(i, *stepping.pop(i), result)
+                if not play.done[i]:
+                    ask(i)
+    except BaseException:  # (Ctrl-C, a failed request): what is in flight must not reach the next rollout
+        stream.abort()
+        steps.abandon()
+        raise
     return play.rollout(generation_seconds, turns)

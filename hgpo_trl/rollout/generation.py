@@ -19,7 +19,7 @@ from trl.trainer.utils import pad
 from hgpo_trl.rollout.continuous import PolicyStream, run_continuous
 from hgpo_trl.rollout.lockstep import Completion, Rollout, run_rollout
 from hgpo_trl.rollout.vllm_cpu import sync_weights
-from hgpo_trl.rollout.vllm_stream import VLLMStream, sampled_logprobs
+from hgpo_trl.rollout.vllm_stream import VLLMStream, abort_unfinished, sampled_logprobs
 from hgpo_trl.runtime.collective import any_process, process_values
 from hgpo_trl.runtime.progress import progress_bar
 
@@ -155,8 +155,8 @@ def sampling_config(config: GenerationConfig, temperature: float) -> GenerationC
 @contextmanager
 def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
     """The trainer's `Generate` for one whole rollout: TRL's vLLM backend (weights synced once per rollout, at a
-    new optimizer step) or the policy model itself, unwrapped with ZeRO-3 / FSDP weights gathered once per
-    rollout, not once per turn."""
+    new optimizer step; a rollout that an exception ends leaves no request in a colocated engine) or the policy
+    model itself, unwrapped with ZeRO-3 / FSDP weights gathered once per rollout, not once per turn."""
     if trainer.use_vllm:
         backend = trainer.vllm_generation
         if trainer.state.global_step != trainer._last_loaded_step:  # TRL's own record of the synced step
@@ -170,6 +170,10 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
 
         try:
             yield generate
+        except BaseException:
+            if backend.mode == "colocate":  # (a server finishes an interrupted call's requests on its own)
+                abort_unfinished(backend.llm.llm_engine)
+            raise
         finally:
             backend.temperature = previous
         return

@@ -37,6 +37,14 @@ def sampled_logprobs(logprobs: list[list[list[float]]]) -> list[list[float]]:
     return [[token[0] for token in completion] for completion in logprobs]
 
 
+def abort_unfinished(engine) -> None:
+    """Abort every request that `engine` (vLLM's LLMEngine) still holds. A generate call that an exception ends
+    (Ctrl-C during an engine step) leaves its requests in the engine, and the next call meets them: a `VLLMStream`
+    outputs of request ids it never made (a KeyError), TRL's lock-step generate requests whose outputs were lost
+    with the interrupted step, which it then waits for forever."""
+    engine.abort_request(list(engine.output_processor.request_states), internal=True)
+
+
 def request_seed(rollout_seed: int, episode: int, step: int) -> int:
     """A request's sampling seed: 32 bits of the SeedSequence of (rollout seed, episode, step)."""
     return int(np.random.SeedSequence((rollout_seed, episode, step)).generate_state(1)[0])
@@ -76,3 +84,7 @@ class VLLMStream:
                     text=self.decode(ids), prompt_ids=list(output.prompt_token_ids), completion_ids=ids,
                     logprobs=None if logprobs is None else sampled_logprobs(logprobs)[0])))
         return done
+
+    def abort(self) -> None:
+        self.engine.abort_request(list(self._keys))
+        self._keys.clear()
