@@ -1,5 +1,5 @@
 """Rollout steps per second, continuous against lock-step (`rollout_mode`), through HGPOTrainer's own rollout
-(`trainer._play`), greedy, both modes on the same tasks with the same model and the same number of steps. Two
+(`trainer._play`), greedy, both modes on the same tasks with the same model and the same number of steps. Three
 recipes (`--recipe`):
 
 `keydoor-paced` (default): colocated vLLM's CPU build on keydoor with ALFWorld-like costs:
@@ -15,10 +15,17 @@ built and warm-started as train.py does, transformers' generate as in the recipe
 environment workers. Continuous mode there is `PolicyStream`: each poll generates every prompt waiting in one
 call, so only the environments' time can hide behind generation.
 
-The environment workers start (and build their environments) before the timing; the best of `--repeats`
-rollouts counts. The script compares the modes' steps one by one (episode, step, completion ids, action).
+`keydoor-quickstart`: configs/quickstart.yaml with colocated vLLM, as `train.py --config configs/quickstart.yaml
+--use_vllm true` runs it (its model built and warm-started by train.py's functions): an instant environment in
+this process and completions of at most 6 tokens, where a continuous rollout has nothing to hide.
+
+The environment workers start (and build their environments) before the timing; the modes alternate, and the best
+of `--repeats` rollouts of each counts, with the CPU time this process spent on it (less sensitive than the wall
+time to other jobs on the machine). The script compares the modes' steps one by one (episode, step, completion
+ids, action) and says which mode `rollout_mode: auto` plays.
 
     .venv/vllm-cpu/bin/python benchmarks/continuous_rollout.py [--tasks 16] [--group 4] [--workers 16] [--repeats 2]
+    .venv/vllm-cpu/bin/python benchmarks/continuous_rollout.py --recipe keydoor-quickstart [--repeats 5]
     ALFWORLD_DATA=... .venv/bin/python benchmarks/continuous_rollout.py --recipe alfworld-tiny-cpu [--repeats 2]
 """
 
@@ -45,6 +52,7 @@ from hgpo_trl.envs.keydoor import KeyDoorEnv  # (light: the environment workers 
 STEP_SECONDS = (0.072, 0.5)  # mean and sigma of the log-normal step latency
 COMPLETION_TOKENS = (80, 0.6, 16, 256)  # median, sigma, shortest, longest
 ALFWORLD_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "alfworld" / "tiny_cpu.yaml"
+QUICKSTART_RECIPE = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def lognormal(key: str, median: float, sigma: float) -> float:
@@ -116,8 +124,8 @@ def counted_generate_calls() -> list[int]:
     return sizes
 
 
-def alfworld_tiny_cpu(options, folder: str):
-    """(trainer, tasks, generate calls, what was played): configs/alfworld/tiny_cpu.yaml, its model built and warm-started by
+def from_config(config: Path, options, folder: str, *extra: str):
+    """(trainer, tasks, model, its split): a recipe's YAML as train.py reads it, its model built and warm-started by
     train.py's own functions; the command line's --tasks, --group, --steps and --workers override the recipe's."""
     from hgpo_trl.commands.arguments import parse
     from hgpo_trl.commands.train import load_model, load_tasks, run_warm_start
@@ -125,8 +133,8 @@ def alfworld_tiny_cpu(options, folder: str):
 
     overrides = {"tasks_per_device": options.tasks, "num_generations": options.group,
                  "max_env_steps": options.steps, "env_workers": options.workers}
-    argv = ["--config", str(ALFWORLD_RECIPE), "--output_dir", folder, "--report_to", "none", "--disable_tqdm", "true",
-            "--eval_strategy", "no", "--rollout_mode", "lockstep"]
+    argv = ["--config", str(config), "--output_dir", folder, "--report_to", "none", "--disable_tqdm", "true",
+            "--eval_strategy", "no", "--rollout_mode", "lockstep", *extra]
     argv += [item for name, value in overrides.items() if value is not None for item in (f"--{name}", str(value))]
     env_args, args, model_args = parse(argv)
     train_tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)
@@ -134,15 +142,34 @@ def alfworld_tiny_cpu(options, folder: str):
     run_warm_start(model, tokenizer, env_args, args, train_tasks)
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks)
     options.tasks, options.group = args.tasks_per_device, args.num_generations
-    options.steps, options.workers = args.max_env_steps, args.env_workers
+    options.steps, options.workers = args.max_env_steps, trainer._env_workers
+    return trainer, list(train_tasks)[:options.tasks], model, env_args.train_split
+
+
+def model_text(model) -> str:
     config = model.config
-    return trainer, list(train_tasks)[:options.tasks], counted_generate_calls(), (
-        f"ALFWorld {env_args.train_split} games ({ALFWORLD_RECIPE.relative_to(ALFWORLD_RECIPE.parents[2])}); "
-        f"transformers' generate, tiny model (hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
-        f"head size {config.hidden_size // config.num_attention_heads}), {str(model.dtype).removeprefix('torch.')}")
+    return (f"tiny model (hidden {config.hidden_size}, {config.num_hidden_layers} layers, head size "
+            f"{config.hidden_size // config.num_attention_heads})")
 
 
-RECIPES = {"keydoor-paced": keydoor_paced, "alfworld-tiny-cpu": alfworld_tiny_cpu}
+def keydoor_quickstart(options, folder: str):
+    """(trainer, tasks, None, what was played): configs/quickstart.yaml with colocated vLLM, as
+    `train.py --config configs/quickstart.yaml --use_vllm true` runs it."""
+    trainer, tasks, model, _ = from_config(QUICKSTART_RECIPE, options, folder, "--use_vllm", "true",
+                                           "--early_stop_success", "null")
+    return trainer, tasks, None, (f"keydoor as the quickstart plays it (in process, completions of at most "
+                                  f"{trainer.args.max_completion_length} tokens); vLLM CPU build, {model_text(model)}")
+
+
+def alfworld_tiny_cpu(options, folder: str):
+    """(trainer, tasks, generate calls, what was played): configs/alfworld/tiny_cpu.yaml (see `from_config`)."""
+    trainer, tasks, model, split = from_config(ALFWORLD_RECIPE, options, folder)
+    return trainer, tasks, counted_generate_calls(), (
+        f"ALFWorld {split} games ({ALFWORLD_RECIPE.relative_to(ALFWORLD_RECIPE.parents[2])}); "
+        f"transformers' generate, {model_text(model)}, {str(model.dtype).removeprefix('torch.')}")
+
+
+RECIPES = {"keydoor-paced": keydoor_paced, "keydoor-quickstart": keydoor_quickstart, "alfworld-tiny-cpu": alfworld_tiny_cpu}
 
 
 def timed_resets(envs) -> list[float]:
@@ -188,23 +215,27 @@ def main() -> None:
     trainer, tasks, calls, played_on = RECIPES[options.recipe](options, tempfile.mkdtemp())
     trainer._environments().reset(tasks * options.group)  # (the workers start and build their environments)
     resets = timed_resets(trainer._environments())
-    results, reset_seconds, call_sizes = {}, {}, {}
-    for mode in ("lockstep", "continuous"):
-        trainer.args.rollout_mode = mode
-        best = None
-        for _ in range(options.repeats):
+    results, reset_seconds, call_sizes, cpu_seconds = {}, {}, {}, {}
+    for _ in range(options.repeats):
+        for mode in ("lockstep", "continuous"):  # (alternated: a change in the machine's load hits both modes)
+            trainer.args.rollout_mode = mode
             resets.clear()
             if calls is not None:
                 calls.clear()
+            before = os.times()
             rollout = trainer._play(tasks, options.group, 0.0, mode)
-            if best is None or rollout.seconds < best.seconds:
-                best, reset_seconds[mode], call_sizes[mode] = rollout, sum(resets), list(calls or ())
-        results[mode] = best
+            after = os.times()
+            if mode not in results or rollout.seconds < results[mode].seconds:
+                results[mode], reset_seconds[mode], call_sizes[mode] = rollout, sum(resets), list(calls or ())
+                cpu_seconds[mode] = after.user + after.system - before.user - before.system
+    trainer.args.rollout_mode = "auto"
+    auto = "continuous" if trainer.args.plays_continuously(trainer._env_workers) else "lockstep"
     trainer.close_environments()
     lockstep, continuous = results["lockstep"], results["continuous"]
     tokens = [sum(len(s.completion.completion_ids) for s in r.steps) for r in (lockstep, continuous)]
+    workers = f"{options.workers} environment workers" if options.workers else "environments in this process"
     print(f"{played_on}; greedy; {options.tasks} tasks x {options.group} rollouts, max_env_steps {options.steps}; "
-          f"{options.workers} environment workers")
+          f"{workers}; rollout_mode auto plays {auto}")
     print(f"steps: {len(lockstep.steps)} / {len(continuous.steps)} (lock-step / continuous), completion tokens "
           f"{tokens[0]:,} / {tokens[1]:,}")
     differences = first_differences(lockstep, continuous)
@@ -217,7 +248,8 @@ def main() -> None:
               f"generation {rollout.generation_seconds / rollout.seconds:.0%}, waiting on environments "
               f"{rollout.env_seconds / rollout.seconds:.0%} of the wall time, resets included); after the resets "
               f"({reset_seconds[mode]:.2f} s): {len(rollout.steps) / stepping:.1f} steps/s, environments "
-              f"{(rollout.env_seconds - reset_seconds[mode]) / stepping:.0%}")
+              f"{(rollout.env_seconds - reset_seconds[mode]) / stepping:.0%}; this process's CPU "
+              f"{cpu_seconds[mode]:.2f} s")
         if call_sizes[mode]:
             print(f"{'':>12}{len(call_sizes[mode])} generate calls of {np.mean(call_sizes[mode]):.1f} prompts on "
                   f"average, {rollout.generation_seconds / len(call_sizes[mode]) * 1000:.0f} ms a call")

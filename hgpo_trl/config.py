@@ -18,6 +18,8 @@ from hgpo_trl.fields import ESTIMATOR_FIELDS, HGPOFields
 from hgpo_trl.rollout.actions import INVALID_TAIL_CHARS
 from hgpo_trl.rollout.lockstep import RolloutSettings
 
+SHORT_COMPLETION = 16  # tokens: completions no longer than this leave a lock-step turn little to wait for
+
 
 def cpu_precision_default(use_cpu: bool) -> bool | None:
     """The `bf16` default: TRL's (None, read as True) on a GPU; False on a CPU, where bf16 autocast makes a small
@@ -201,10 +203,16 @@ class HGPOConfig(HGPOFields, GRPOConfig):
         return (self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size == 1
                 and not self.vllm_enable_sleep_mode)
 
-    @property
-    def continuous_rollout(self) -> bool:
-        """Whether rollouts play continuously (`rollout_mode`; 'auto': where vLLM streams)."""
-        return self.rollout_mode == "continuous" or (self.rollout_mode == "auto" and self.streams_from_vllm)
+    def plays_continuously(self, env_workers: int) -> bool:
+        """Whether rollouts play continuously (`rollout_mode`) with `env_workers` environment worker processes (the
+        trainer's, resolved). 'auto': where colocated vLLM streams and a continuous rollout has time to win back:
+        environments stepping in workers (their steps hide behind generation), or completions that may run past
+        SHORT_COMPLETION tokens (a lock-step turn waits for its longest). Neither (the quickstart: keydoor in process,
+        6 tokens) leaves it nothing to hide and only its cost per request: lock-step (docs/results.md)."""
+        if self.rollout_mode != "auto":
+            return self.rollout_mode == "continuous"
+        long_completions = self.max_completion_length is None or self.max_completion_length > SHORT_COMPLETION
+        return self.streams_from_vllm and (env_workers > 0 or long_completions)
 
     def rollout_settings(self) -> RolloutSettings:
         tail_chars = invalid_tail_chars(self.env_name)  # (None: the registration left it to the rollout)

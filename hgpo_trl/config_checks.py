@@ -199,7 +199,7 @@ def check_trainer_inputs(args: HGPOConfig, has_eval_dataset: bool, deepspeed_con
     if args.early_stop_success is not None and not has_eval_dataset:
         raise ValueError("HGPOConfig.early_stop_success needs an eval_dataset of task rows (it stops on "
                          "validation success)")
-    if args.continuous_rollout and not args.use_vllm and (
+    if args.rollout_mode == "continuous" and not args.use_vllm and (
             fsdp or (deepspeed_config or {}).get("zero_optimization", {}).get("stage") == 3):
         raise ValueError("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with transformers' generation under "
                          "ZeRO-3 or FSDP: every process joins every forward there, so no episode may advance alone")

@@ -36,7 +36,8 @@ class HGPOFields:
                                           "step in their workers while the engine generates; the same step "
                                           "records; colocated vLLM without tensor parallelism or sleep mode, or "
                                           "transformers without ZeRO-3 / FSDP) or 'auto' (continuous with "
-                                          "colocated vLLM, else lockstep)."})
+                                          "colocated vLLM where it has time to win back: environments in worker "
+                                          "processes, or completions over 16 tokens; else lockstep)."})
     max_faulty_iterations: int = field(
         default=3, metadata={"help": "Stop (after saving a checkpoint) when this many iterations in a row have more "
                                      "than half their episodes failed by environment faults; 0: never stop."})

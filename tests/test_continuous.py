@@ -221,9 +221,14 @@ def test_rollout_mode_picks_continuous_where_the_backend_streams_and_refuses_it_
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: name == "vllm" or find_spec(name, *args))
     config = functools.partial(HGPOConfig, output_dir="/tmp/unused", report_to="none", use_cpu=True)
-    assert not config().continuous_rollout and config(rollout_mode="continuous").continuous_rollout
-    assert config(use_vllm=True).continuous_rollout  # auto: colocated vLLM streams
-    assert not config(use_vllm=True, rollout_mode="lockstep").continuous_rollout
+    assert not config().plays_continuously(4) and config(rollout_mode="continuous").plays_continuously(0)
+    # auto: where colocated vLLM streams and there is time to win back: environments in workers, or completions
+    # longer than a few tokens; not the quickstart's (in process, 6 tokens), where lock-step was faster (issue 55)
+    assert config(use_vllm=True).plays_continuously(0)  # (TRL's max_completion_length: 256)
+    assert config(use_vllm=True, max_completion_length=6).plays_continuously(2)
+    assert not config(use_vllm=True, max_completion_length=6).plays_continuously(0)
+    assert not config(use_vllm=True, rollout_mode="lockstep").plays_continuously(2)
+    assert not config(use_vllm=True, vllm_enable_sleep_mode=True).plays_continuously(2)
     with pytest.raises(ValueError) as err:
         config(use_vllm=True, vllm_enable_sleep_mode=True, rollout_mode="continuous")
     assert str(err.value).startswith("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with vllm_mode 'server'")
@@ -253,7 +258,7 @@ def test_the_trainer_plays_continuously_with_transformers_and_trains_as_in_locks
         model = build_tiny_model(tiny_tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
         trainer = make_trainer(model, tiny_tokenizer, make_config(tmp_path / mode, rollout_mode=mode,
                                                                   train_iterations=1))
-        assert trainer.args.continuous_rollout == (mode == "continuous")
+        assert trainer.args.plays_continuously(trainer._env_workers) == (mode == "continuous")
         trainer.train()
         (log,) = [h for h in trainer.state.log_history if "env/success_rate" in h]
         played[mode] = ({k: log[k] for k in ("env/success_rate", "env/episode_length", "steps/collected", "loss")},

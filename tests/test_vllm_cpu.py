@@ -102,7 +102,7 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_colocated_vllm_trains_with_a_weight_sync_after_each_optimizer_step(runs):
     training = runs["training"]
-    assert training["continuous"]  # rollout_mode auto: colocated vLLM plays continuously (hgpo_trl.rollout.continuous)
+    assert training["continuous"]  # colocated vLLM plays continuously (hgpo_trl.rollout.continuous)
     assert training["iterations"] == 2 and all(n > 0 for n in training["collected"])
     # One sync per rollout at a new optimizer step: before the first (step 0), before the second (step 1).
     assert training["syncs"] == [0, 1] and training["global_step"] == 2

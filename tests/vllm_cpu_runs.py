@@ -2,7 +2,7 @@
 vLLM takes ~40 s to import and changes its process (RANK, WORLD_SIZE and MASTER_PORT set, torch.distributed set
 up), so it runs beside pytest, not in it. On one tiny model of head size 32 (vLLM's CPU attention has no smaller
 one), it plays greedy evaluations with vLLM and with transformers (hgpo-eval's command line, evaluate_model),
-trains HGPO with colocated vLLM (continuous rollouts: rollout_mode auto), then probes the weight sync: vLLM's
+trains HGPO with colocated vLLM (continuous rollouts), then probes the weight sync: vLLM's
 greedy completions and log-probabilities against the trainer model's, before and after a sync; and the streamed
 requests: seeded samples alone and batched, greedy rollouts lock-step and continuous, and rollouts after one that a
 Ctrl-C interrupted. Writes results.json in the folder it is given.
@@ -248,7 +248,8 @@ def training(path: Path, out: Path) -> dict:
     """Two HGPO iterations with colocated vLLM, counting the weight syncs, then the probe and an evaluation."""
     args = HGPOConfig(output_dir=str(out / "run"), per_device_train_batch_size=16, num_generations=4,
                       tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
-                      logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="colocate", **GAME)
+                      logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="colocate",
+                      rollout_mode="continuous", **GAME)  # ('auto' plays these 4-token completions lock-step)
     trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8),
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=2))
     syncs, sync = [], generation.sync_weights
@@ -260,7 +261,7 @@ def training(path: Path, out: Path) -> dict:
     generation.sync_weights = counted
     trainer.train()
     trained = {"syncs": list(syncs), "global_step": trainer.state.global_step,
-               "continuous": trainer.args.continuous_rollout}
+               "continuous": trainer.args.plays_continuously(trainer._env_workers)}
     probe = sync_probe(trainer)
     streams = stream_probe(trainer)
     interruptions = interrupted_rollouts(trainer)

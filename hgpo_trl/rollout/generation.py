@@ -209,11 +209,12 @@ def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_siz
         by_position = slices_by_position(trainer.use_vllm, trainer.vllm_mode, trainer.vllm_tensor_parallel_size)
         return prompts_per_call(count, process_values(trainer.accelerator, count) if by_position else None)
 
-    lockstep = trainer.accelerator.num_processes > 1 and not trainer.args.continuous_rollout
+    continuous = trainer.args.plays_continuously(trainer._env_workers)
+    lockstep = trainer.accelerator.num_processes > 1 and not continuous
     with trainer_generator(trainer, temperature) as generate, bar:
         policy = ModelPolicy(trainer._tokenizer, generate, trainer.chat_template_kwargs,
                              call_size=lockstep_count if lockstep else None)
-        if trainer.args.continuous_rollout:
+        if continuous:
             stream = VLLMStream(trainer.vllm_generation, temperature, lambda text: policy.prompt_ids([text])[0],
                                 partial(trainer._tokenizer.decode, skip_special_tokens=True)) \
                 if trainer.use_vllm else PolicyStream(policy)

@@ -61,7 +61,10 @@ class VLLMStream:
 
         self.engine = backend.llm.llm_engine
         self.prompt_ids, self.decode = prompt_ids, decode
-        self._params = SamplingParams(**sampling_kwargs(backend, temperature), output_kind=RequestOutputKind.FINAL_ONLY)
+        # skip_clone: each request's copy (ours for its seed, vLLM's own in add_request) is shallow, not deep: two
+        # deep copies were a request's largest cost in a profile of the quickstart's rollout, and no field is changed.
+        self._params = SamplingParams(**sampling_kwargs(backend, temperature), skip_clone=True,
+                                      output_kind=RequestOutputKind.FINAL_ONLY)
         self._rollout_seed = int(torch.randint(0, 2**63 - 1, ()))  # (this process's generation stream)
         self._keys: dict[str, int] = {}
 

@@ -220,7 +220,7 @@ def main(out: str, extra: list[str]) -> None:
                    "log_history": trainer.state.log_history, "eval": metrics, "checksum": checksum_now,
                    "global_step": trainer.state.global_step, "estimated": ESTIMATED, "seen": seen,
                    "deepspeed": trainer.is_deepspeed_enabled, "warmstart": warm, "turns": turns,
-                   "continuous": trainer.args.continuous_rollout}, f)
+                   "continuous": trainer.args.plays_continuously(trainer._env_workers)}, f)
     finish()
 
 
