@@ -13,7 +13,8 @@ by side with what the machine can do, all measured in one run (issue 56):
    completion `--new-tokens` long (end token ignored): transformers' generate, vLLM lock-step (`LLM.generate`)
    and continuous (each request added to its engine and the engine stepped, as hgpo_trl.rollout.vllm_stream
    does), all float32. Prefill is timed apart (the same call with 1 new token) and decoding is the rest, against
-   its bound: a decode step reads every weight once, so B x bandwidth / (parameters x 4 bytes) tokens/s;
+   its bounds: a decode step reads every weight once, so B x bandwidth / (parameters x 4 bytes) tokens/s, and
+   multiplies each token through every weight, so fp32 peak / (2 x parameters) tokens/s (the lower one holds);
 4. `--iteration N`: N iterations of HGPOTrainer on configs/smollm2_keydoor.yaml (4 tasks x 4, batch 16,
    8-token completions) in this process, split into generation, environments, advantages, training and the
    rest (slow: minutes an iteration on 2 cores).
@@ -181,7 +182,11 @@ def generation_rows(label: str, generate, batch: int, prompt_tokens: int, new_to
     with 1 new token; decoding: the rest of the call with `new_tokens`, against the bandwidth bound."""
     first = best_seconds(lambda: generate(1), repeats)
     whole = best_seconds(lambda: generate(new_tokens), repeats)
-    bound = batch * limits["bandwidth"] / weight_bytes
+    # A decode step reads every weight once (bandwidth) and multiplies each new token through all of them, the LM
+    # head included (compute: 2 x parameters a token); the lower bound is the one that holds.
+    memory_bound = batch * limits["bandwidth"] / weight_bytes
+    compute_bound = limits["peaks"][torch.float32] / (2 * weight_bytes / 4)
+    bound = min(memory_bound, compute_bound)
     row(f"{label}: {batch} x {new_tokens} new tokens", f"{batch * new_tokens / whole:.1f} tok/s",
         f"{whole:.2f} s a call, prefill {first:.2f} s of it")
     prefill = 2 * body * prompt_tokens / first
@@ -189,7 +194,8 @@ def generation_rows(label: str, generate, batch: int, prompt_tokens: int, new_to
         f"{prefill / G:.1f} GFLOP/s = {prefill / limits['peaks'][torch.float32]:.0%} of the fp32 matmul peak")
     if whole > first:
         rate = batch * (new_tokens - 1) / (whole - first)
-        row(f"{label}: decode", f"{rate:.1f} tok/s", f"{rate / bound:.0%} of the bandwidth bound {bound:.0f} tok/s")
+        row(f"{label}: decode", f"{rate:.1f} tok/s", f"{rate / bound:.0%} of the bound {bound:.0f} tok/s (bandwidth "
+            f"{memory_bound:.0f}, fp32 compute {compute_bound:.0f})")
     else:
         row(f"{label}: decode", "n/a", "no longer than the prefill call (timer noise)")
 
@@ -370,8 +376,8 @@ def main(argv: list[str] | None = None) -> None:
         prompt_ids = [encode_prompt(tokenizer, p) for p in keydoor_prompts(options.gen_batch)]
         tokens = sum(map(len, prompt_ids))
         print(f"generation: {len(prompt_ids)} keydoor prompts of {min(map(len, prompt_ids))}-"
-              f"{max(map(len, prompt_ids))} tokens; decode bound = batch x bandwidth / {total * 4 / 1e6:.0f} MB of "
-              f"float32 weights", flush=True)
+              f"{max(map(len, prompt_ids))} tokens; decode bounds: batch x bandwidth / {total * 4 / 1e6:.0f} MB of "
+              f"float32 weights, fp32 peak / 2 x {total / 1e6:.1f}M FLOPs a token", flush=True)
         generation_rows("transformers generate", transformers_generate(model, tokenizer, prompt_ids),
                         len(prompt_ids), tokens, options.new_tokens, options.repeats, limits, total * 4, body)
         if options.batch or options.bf16_batch:
