@@ -88,7 +88,7 @@ class HGPOTrainer(GRPOTrainer):
         model = pretrained_or_same(model)  # a model the project knows by name, or a .gguf file: its folder
         # Where training started, for the model card (before the in-memory reference renames it).
         self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
-        with transformers_bars_as_ours(args.disable_tqdm), vllm_starting(args.use_vllm):  # (the reference, vLLM)
+        with transformers_bars_as_ours(args.disable_tqdm), vllm_starting(args.use_vllm, args.bf16):  # (the reference, vLLM)
             self._saved_start = (args.beta != 0.0 or peft_config is not None) and checkpoints.save_in_memory_weights(
                 model, processing_class, args, peft=peft_config is not None)
             super().__init__(model=model, reward_funcs=[env_reward], args=args, train_dataset=train_dataset,

@@ -2,10 +2,12 @@
 (tests/isolation.py) for every test."""
 
 import atexit
+import fcntl
 import os
 import shutil
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -48,13 +50,41 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_modules)
 
 
-@pytest.fixture
-def free_port() -> int:
-    """A port no process listens on now, for an `accelerate launch`'s rendezvous: fixed ports collide when two
-    launches run at once (pytest-xdist's workers, or two test runs on one machine)."""
+def once_per_run(tmp_path_factory, name: str, produce: Callable[[Path], None]) -> Path:
+    """The folder that `produce(folder)` filled, made once per test run however many pytest-xdist workers ask: the
+    first to ask produces it while the others wait, then they all read it (a session fixture is one per worker,
+    and `--dist loadgroup` groups nothing under pytest 9: xdist 3.8 renames a node through an attribute pytest no
+    longer reads). A failure is kept too, so no second worker runs a failing production again."""
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root  # (the workers' common folder)
+    folder, failed = root / name, root / f"{name}.failed"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if failed.is_file():
+            pytest.fail(f"{name}, produced for another worker, failed: {failed.read_text()}")
+        if not (folder / ".done").is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            try:
+                produce(folder)
+            except BaseException as error:
+                failed.write_text(f"{type(error).__name__}: {error}"[-4000:])
+                raise
+            (folder / ".done").write_text("")
+    return folder
+
+
+def unused_port() -> int:
+    """A port no process listens on now, for a rendezvous (an `accelerate launch`'s, vLLM's MASTER_PORT): fixed
+    ports collide when two launches run at once (pytest-xdist's workers, or two test runs on one machine)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+@pytest.fixture
+def free_port() -> int:
+    return unused_port()
 
 
 @pytest.fixture

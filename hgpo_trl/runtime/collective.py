@@ -6,6 +6,7 @@ hangs the run. Each function is one collective call, so every process must call 
 from __future__ import annotations
 
 import atexit
+import sys
 
 import torch
 
@@ -48,6 +49,14 @@ def leave_at_exit() -> None:
 
 
 def _destroy_gloo_groups() -> None:
+    vllm_groups = sys.modules.get("vllm.distributed.parallel_state")
+    if vllm_groups is not None and vllm_groups.model_parallel_is_initialized():
+        # A colocated vLLM engine's groups are built on the default one, and its own shutdown (a finalizer that
+        # runs after this) destroys them: with the default group gone first it failed ("Invalid process group
+        # specified"). Its groups, then the default group, as that shutdown does.
+        vllm_groups.destroy_model_parallel()
+        vllm_groups.destroy_distributed_environment()
+        return
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_backend() == "gloo":
         torch.distributed.destroy_process_group()
