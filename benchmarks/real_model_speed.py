@@ -95,10 +95,8 @@ def machine_limits(size: int, megabytes: int, repeats: int) -> dict:
 def model_folder(name: str, scratch: str) -> str:
     """A folder both transformers and vLLM load: a converted release by name, a path, or the tiny model (head size
     32, vLLM's CPU smallest) saved in `scratch`."""
-    from hgpo_trl.models.pretrained import CONVERTED, cache_root, is_pretrained_name, pretrained_folder
+    from hgpo_trl.models.pretrained import is_pretrained_name, pretrained_folder
 
-    if (cache_root() / name / CONVERTED).is_file():  # converted: vLLM's venv lacks the package that converts
-        return str(cache_root() / name)
     if name == "tiny":
         from hgpo_trl.models.tiny import make_tiny, save_tiny
 
@@ -226,11 +224,8 @@ def vllm_rows(folder: str, prompt_ids: list[list[int]], options, limits, weight_
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    try:  # (being added to hgpo_trl: each prompt prefilled whole, which seeded requests on a CPU need)
-        from hgpo_trl.rollout.vllm_cpu import cpu_engine_args
-    except ImportError:
-        def cpu_engine_args(model, max_model_len, max_num_batched_tokens, trust_remote_code=False):
-            return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+    from hgpo_trl.rollout.vllm_cpu import cpu_engine_args  # (prompts prefilled whole)
+
     start = time.perf_counter()
     with vllm_starting(True):
         llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", gpu_memory_utilization=0.15,
