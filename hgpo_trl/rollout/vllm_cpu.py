@@ -56,7 +56,7 @@ IN_PROCESS = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 def cpu_engine_args(model: str, max_model_len: int | None, max_num_batched_tokens: int | None,
-                      trust_remote_code: bool = False) -> dict:
+                    trust_remote_code: bool = False) -> dict:
     """vLLM's engine arguments on a CPU: every prompt prefilled whole, in one engine step. With chunked prefill
     (vLLM's default) a prompt that does not fit the step's token budget is prefilled in parts, the token sampled
     after a partial part is discarded and its request's generator rewound by an offset, which CPU generators lack:
@@ -96,14 +96,14 @@ def vllm_starting(use_vllm: bool, bf16: bool | None = None) -> Iterator[None]:
 
         trl_llm = getattr(vllm_generation, "LLM", None)  # (absent where vLLM is not installed)
     if trl_llm is not None:  # TRL's colocated engine takes no engine arguments: ours are added to its call
+        precision = {} if bf16 is None else {"dtype": "bfloat16" if bf16 else "float32"}
 
-        def unchunked_llm(**kwargs):
-            kwargs.update(cpu_engine_args(kwargs["model"], kwargs.get("max_model_len"),
-                                            kwargs.get("max_num_batched_tokens"), kwargs.get("trust_remote_code", False)),
-                          **({} if bf16 is None else {"dtype": "bfloat16" if bf16 else "float32"}))
-            return trl_llm(**kwargs)
+        def cpu_llm(**kwargs):
+            return trl_llm(**{**kwargs, **precision, **cpu_engine_args(
+                kwargs["model"], kwargs.get("max_model_len"), kwargs.get("max_num_batched_tokens"),
+                kwargs.get("trust_remote_code", False))})
 
-        vllm_generation.LLM = unchunked_llm
+        vllm_generation.LLM = cpu_llm
     try:
         yield
     finally:
