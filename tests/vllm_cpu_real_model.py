@@ -32,7 +32,6 @@ GAME = {"env_name": "keydoor", "action_mode": "plain", "max_env_steps": 1, "hist
         "use_cpu": True, "bf16": False}
 POOLS = {"num_rooms": 6, "num_colors": 6}
 GAME_STEPS = 3  # the greedy games' steps (the sampled rollout plays one: its first engine step is the one tested)
-BUDGET = 4096  # the token budget of an engine step TRL gives its colocated engine (max_num_batched_tokens)
 ROWS = 8  # rows whose log-probabilities are compared
 
 
@@ -93,7 +92,6 @@ def first_step(trainer: HGPOTrainer) -> dict:
     ratio = inputs["importance_sampling_ratio"]
     return {"engine_dtype": str(trainer.vllm_generation.llm.llm_engine.model_config.dtype), "scheduled": steps,
             "requests": len(rollout.steps), "episodes": len({s.traj for s in rollout.steps}),
-            "first_prompt_tokens": sorted(len(s.completion.prompt_ids) for s in rollout.steps if s.step == 0),
             "tokens": int(mask.sum()), "gap_fp32": (engine - inputs["old_per_token_logps"][mask]).abs().max().item(),
             "gap_bf16": (engine - bf16.float()[mask]).abs().max().item(),
             "ratio": [ratio.min().item(), ratio.max().item()]}  # (masked tokens: exp(0))
