@@ -95,6 +95,8 @@ def check_values(args: HGPOConfig) -> None:
         ("fill_last_micro_batch", args.fill_last_micro_batch in FILLS, f"one of {FILLS}"),
         ("balance_steps", not args.balance_steps or args.step_batching == "all_steps",
          "false under step_batching 'fixed_budget' (it shares out the rows of all_steps)"),
+        ("train_forced_steps", args.train_forced_steps or args.step_batching == "fixed_budget",
+         "true under step_batching 'all_steps' (which trains every step once)"),
         ("balance_partition", args.balance_partition in PARTITIONS, f"one of {tuple(PARTITIONS)}"),
         ("fill_multiple", args.fill_multiple is None or (args.fill_multiple >= 1 and args.fill_multiple
                                                          % args.per_device_train_batch_size == 0),

@@ -49,6 +49,8 @@ def test_optimal_policy_wins_every_episode_in_four_steps():
     assert all(e.won and e.steps == 4 and e.total_reward == 10.0 and e.terminated for e in rollout.episodes)
     assert len(rollout.steps) == 6 * 4 and rollout.turns == 4
     assert [r.step for r in rollout.steps if r.traj == 0] == [0, 1, 2, 3]
+    # The key and the door are choices of two; the walks to the hall and the vault are forced.
+    assert [r.choices for r in rollout.steps if r.traj == 0] == [2, 1, 1, 2]
     assert {r.group for r in rollout.steps} == {0, 1} and {r.traj for r in rollout.steps} == set(range(6))
 
 

@@ -13,7 +13,14 @@ from transformers import TrainerCallback
 from hgpo_trl.advantages import ESTIMATORS, register_estimator
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.envs.keydoor import KeyDoorEnv
-from hgpo_trl.training.step_batches import importance_sampling_ratio, plan_micro_batches, windows_for
+from hgpo_trl.training import loss_inputs as budgets
+from hgpo_trl.training.step_batches import (
+    importance_sampling_ratio,
+    plan_micro_batches,
+    select_budget,
+    windows_for,
+)
+from tests.test_rollout import optimal_action, play, scripted
 from tests.test_trainer import make_config, make_trainer, snapshot
 
 
@@ -89,6 +96,7 @@ def test_mini_batch_size_sets_the_accumulation_and_train_iterations_bound_max_st
     ({"fill_last_micro_batch": "copy"}, "HGPOConfig.fill_last_micro_batch must be one of"),
     ({"step_batching": "fixed_budget", "balance_steps": True, "mini_batch_size": None, "train_iterations": 2},
      "HGPOConfig.balance_steps must be false under step_batching 'fixed_budget'"),
+    ({"train_forced_steps": False}, "HGPOConfig.train_forced_steps must be true under step_batching 'all_steps'"),
     ({"balance_steps": True, "fill_multiple": 8},  # the default fill, pad: nothing to fill
      "HGPOConfig.fill_multiple must be None unless balance_steps is true and fill_last_micro_batch is 'duplicate'"),
     ({"balance_steps": True, "fill_last_micro_batch": "duplicate", "fill_multiple": 6},
@@ -137,6 +145,34 @@ def loss_inputs(trainer):
 
     trainer._compute_loss = recording
     return calls
+
+
+def test_the_fixed_budget_draws_only_eligible_steps():
+    rng = np.random.default_rng(0)
+    eligible = np.array([True, False, True, True, False, True])
+    for _ in range(20):
+        drawn = select_budget(6, 3, rng, eligible)
+        assert len(set(drawn)) == 3 and eligible[drawn].all() and list(drawn) == sorted(drawn)
+    assert list(select_budget(6, 5, rng, eligible)) == [0, 2, 3, 5]  # fewer eligible than the budget: all of them
+    assert list(select_budget(4, 5, rng)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("train_forced_steps", [True, False])
+def test_forced_steps_are_drawn_only_when_asked(tmp_path, tiny_model, tiny_tokenizer, train_forced_steps):
+    # An expert's keydoor episodes: 4 steps each, the walks to the hall and the vault forced (one admissible action).
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path, per_device_train_batch_size=8,
+                                                                   train_forced_steps=train_forced_steps))
+    rollout = play(scripted(optimal_action), group_size=4, num_tasks=4)
+    for step in rollout.steps:
+        step.completion.completion_ids = tiny_tokenizer(step.completion.text).input_ids
+        step.completion.prompt_ids = tiny_tokenizer(step.prompt).input_ids
+    advantages = np.arange(len(rollout.steps), dtype=np.float64)  # each row's advantage names its step
+    drawn = []
+    for _ in range(4):
+        output, selected, samples = budgets.budget_inputs(trainer, rollout, advantages)
+        assert samples.kept == len(selected) == 8 and output["advantages"].tolist() == selected.tolist()
+        drawn += [rollout.steps[i].choices for i in selected]
+    assert set(drawn) == ({1, 2} if train_forced_steps else {2})
 
 
 def optimizer_steps_taken(trainer) -> int:

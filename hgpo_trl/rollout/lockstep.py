@@ -74,6 +74,7 @@ class StepRecord:
     rejected: bool = False  # the environment refused the action as an invalid move (its info["invalid_move"])
     malformed: bool = False  # invalid_action="execute": the output broke the format, its action was sent anyway
     anchor: str | None = None  # what the estimators compare for the state, when not the observation (info["anchor"])
+    choices: int | None = None  # admissible actions the environment listed for this step (None: it lists none)
 
     @property
     def valid(self) -> bool:
@@ -243,7 +244,8 @@ class EpisodeStates:
                             prompt=fit.text, completion=completion, action=action, reward=float(result.reward),
                             shown_history=fit.shown_history, history_cut=fit.history_dropped > 0,
                             observation_cut=fit.observation_cut, over_budget=fit.over_budget, rejected=rejected,
-                            malformed=malformed, anchor=info.get("anchor"))
+                            malformed=malformed, anchor=info.get("anchor"),
+                            choices=len(info["admissible_actions"]) if "admissible_actions" in info else None)
         self.records.append(record)
         shown = action if action is not None else invalid_tail(completion.text, self.settings.invalid_tail_chars)
         self.memories[i].add(self.escape(observation), self.escape(shown))

@@ -2,7 +2,8 @@
 
 Two modes (`HGPOConfig.step_batching`):
 - `fixed_budget`: M = per_device_train_batch_size x steps_per_generation samples per process and iteration,
-  drawn uniformly when there are more steps, padded with masked rows when fewer; one pass of TRL's buffer.
+  drawn uniformly when there are more steps (not from forced steps under `train_forced_steps=False`), padded
+  with masked rows when fewer; one pass of TRL's buffer.
 - `all_steps` (as released): every step is a sample once, in micro-batches of per_device_train_batch_size, as
   many optimizer steps (windows of gradient_accumulation_steps micro-batches) as the busiest process's steps fill.
 
@@ -24,12 +25,14 @@ STEP_BATCHINGS = ("fixed_budget", "all_steps")
 FILLS = ("pad", "duplicate")
 
 
-def select_budget(num_steps: int, budget: int, rng: np.random.Generator) -> np.ndarray:
+def select_budget(num_steps: int, budget: int, rng: np.random.Generator,
+                  eligible: np.ndarray | None = None) -> np.ndarray:
     """fixed_budget: the indices of the steps that become samples, `budget` of them drawn uniformly (sorted)
-    when there are more steps, else all of them."""
-    if num_steps <= budget:
-        return np.arange(num_steps)
-    return np.sort(rng.choice(num_steps, size=budget, replace=False))
+    when there are more steps, else all of them; only among the `eligible` ones (a boolean mask) when given."""
+    candidates = np.arange(num_steps) if eligible is None else np.flatnonzero(eligible)
+    if len(candidates) <= budget:
+        return candidates
+    return np.sort(rng.choice(candidates, size=budget, replace=False))
 
 
 def plan_micro_batches(num_steps: int, micro_batch_size: int, fill: str, shuffle: bool,
