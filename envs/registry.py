@@ -3,6 +3,7 @@ tasks as a `datasets.Dataset` (one row per task: what `reset(task)` needs)."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,4 +79,10 @@ def make_tasks(name: str, split: str = "train", **kwargs) -> datasets.Dataset:
     spec = _spec(name)
     if spec.tasks is None:
         raise ValueError(f"environment {name!r} has no task list; pass a datasets.Dataset of task rows instead")
+    try:  # the options checked against the signature: a TypeError from inside the task list is its own
+        inspect.signature(spec.tasks).bind(split, **kwargs)
+    except TypeError as err:
+        # '{num_rooms:6}' in YAML is the key 'num_rooms:6' with no value: the flow style needs a space after ':'.
+        hint = "".join(f"; write '{{{key.replace(':', ': ', 1)}}}'" for key in kwargs if ":" in key)
+        raise ValueError(f"environment {name!r} does not accept these task options {sorted(kwargs)}: {err}{hint}") from None
     return spec.tasks(split, **kwargs)

@@ -167,6 +167,13 @@ def test_configuration_errors_exit_with_a_message(tmp_path, capsys):
         main(["--config", write(tmp_path, "estimator: ppo\n")])
     assert exit_info.value.code == 2
     assert "configuration error: HGPOConfig.estimator must be one of" in capsys.readouterr().err
+    # A task option the environment does not take: one line naming it, before any model loads.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", write(tmp_path, TINY_RUN), "--task_kwargs", "{num_rooms:6}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search(r"configuration error: the keydoor tasks of split 'train': environment "
+                                         r"'keydoor' does not accept these task options \['num_rooms:6'\]", err)
 
 
 def test_resume_from_checkpoint_continues_the_run(tmp_path, capfd):

@@ -292,3 +292,8 @@ def test_registry():
         make_tasks("nope")
     with pytest.raises(ValueError, match="does not accept these options"):
         make_env("keydoor", colours=3)
+    with pytest.raises(ValueError, match=r"environment 'keydoor' does not accept these task options \['colours'\]"):
+        make_tasks("keydoor", "train", colours=3)
+    # YAML's flow mapping needs a space after each colon: '{num_rooms:6}' is the key 'num_rooms:6' with no value.
+    with pytest.raises(ValueError, match=r"\['num_rooms:6'\].*write '\{num_rooms: 6\}'"):
+        make_tasks("keydoor", "train", **{"num_rooms:6": None})
