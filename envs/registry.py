@@ -79,8 +79,12 @@ def make_tasks(name: str, split: str = "train", **kwargs) -> datasets.Dataset:
     spec = _spec(name)
     if spec.tasks is None:
         raise ValueError(f"environment {name!r} has no task list; pass a datasets.Dataset of task rows instead")
-    try:  # the options checked against the signature: a TypeError from inside the task list is its own
-        inspect.signature(spec.tasks).bind(split, **kwargs)
+    try:  # a signature that cannot be read (a builtin) is not checked: the call says what it refuses
+        signature = inspect.signature(spec.tasks)
+    except (TypeError, ValueError):
+        return spec.tasks(split, **kwargs)
+    try:  # the options checked before the call: a TypeError from inside the task list is its own
+        signature.bind(split, **kwargs)
     except TypeError as err:
         # '{num_rooms:6}' in YAML is the key 'num_rooms:6' with no value: the flow style needs a space after ':'.
         hint = "".join(f"; write '{{{key.replace(':', ': ', 1)}}}'" for key in kwargs if ":" in key)

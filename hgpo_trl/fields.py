@@ -98,10 +98,9 @@ class HGPOFields:
                                         "x GPUs). None: per_device_train_batch_size x processes."})
     train_forced_steps: bool = field(
         default=True, metadata={"help": "fixed_budget: False leaves forced steps (the environment listed exactly "
-                                        "one admissible action: nothing to choose) out of the draw, so the "
+                                        "one admissible action and the step took it) out of the draw, so the "
                                         "budget's rows go to decisions; their advantages and groups are "
-                                        "computed as before. True: any step can be drawn (every step trains, as "
-                                        "released)."})
+                                        "computed as before. True: any step can be drawn (as released)."})
     shuffle_steps: bool = field(
         default=False, metadata={"help": "all_steps: train an iteration's steps in a random order instead of "
                                          "rollout order (released: rollout order)."})

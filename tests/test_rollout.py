@@ -50,8 +50,26 @@ def test_optimal_policy_wins_every_episode_in_four_steps():
     assert len(rollout.steps) == 6 * 4 and rollout.turns == 4
     assert [r.step for r in rollout.steps if r.traj == 0] == [0, 1, 2, 3]
     # The key and the door are choices of two; the walks to the hall and the vault are forced.
-    assert [r.choices for r in rollout.steps if r.traj == 0] == [2, 1, 1, 2]
+    assert [r.forced for r in rollout.steps if r.traj == 0] == [False, True, True, False]
     assert {r.group for r in rollout.steps} == {0, 1} and {r.traj for r in rollout.steps} == set(range(6))
+
+
+def test_an_invalid_output_on_a_forced_step_is_no_forced_step():
+    # At the hall ('go to vault' alone listed) the first answer is nonsense: that choice is trained (its penalty).
+    halls = []
+
+    def choose(prompt):
+        if prompt.split("Now: ")[1].startswith("You are in the hall"):
+            halls.append(prompt)
+            if len(halls) == 1:
+                return "dance"
+        return optimal_action(prompt)
+
+    rollout = play(scripted(choose), group_size=2, num_tasks=4, invalid_action="noop", max_steps=5, history_length=3,
+                   admissible_only=True)
+    invalid = [r for r in rollout.steps if not r.valid]
+    assert invalid and not any(r.forced for r in invalid)
+    assert all(r.forced for r in rollout.steps if r.valid and r.action in ("go to hall", "go to vault"))
 
 
 def test_one_policy_call_per_turn_for_all_live_environments():

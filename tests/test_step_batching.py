@@ -171,8 +171,15 @@ def test_forced_steps_are_drawn_only_when_asked(tmp_path, tiny_model, tiny_token
     for _ in range(4):
         output, selected, samples = budgets.budget_inputs(trainer, rollout, advantages)
         assert samples.kept == len(selected) == 8 and output["advantages"].tolist() == selected.tolist()
-        drawn += [rollout.steps[i].choices for i in selected]
-    assert set(drawn) == ({1, 2} if train_forced_steps else {2})
+        drawn += [rollout.steps[i].forced for i in selected]
+    assert set(drawn) == ({True, False} if train_forced_steps else {False})
+    # Fewer eligible steps than the budget: all of them, the rest padding (every process keeps the same rows).
+    for step in rollout.steps[8:]:
+        step.forced = True
+    output, selected, samples = budgets.budget_inputs(trainer, rollout, advantages)
+    if not train_forced_steps:
+        assert selected.tolist() == [i for i in range(8) if not rollout.steps[i].forced]
+        assert len(output["advantages"]) == 8 and samples.padded_fraction == (8 - len(selected)) / 8
 
 
 def optimizer_steps_taken(trainer) -> int:

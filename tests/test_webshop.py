@@ -340,6 +340,8 @@ def test_the_step_after_an_invalid_one_groups_with_the_same_page_as_released(not
     assert hgpo_peer_levels(batch, depth=2)[row[0, 2], 0] is np.bool_(not notice)
     # The memory shows the page the step saw (at step 4: the pairs of steps 2 and 3).
     assert (f"[Observation 3: '{results}', Action 3: 'click[back to search]']" in prompts[3][0]) is not notice
+    # The search page lists one placeholder, 'search[<your query>]': a query written there is a choice.
+    assert not any(r.forced for r in rollout.steps)
 
 
 def test_parse_action_is_lenient_on_wrapping_only():

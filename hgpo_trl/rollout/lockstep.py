@@ -74,7 +74,7 @@ class StepRecord:
     rejected: bool = False  # the environment refused the action as an invalid move (its info["invalid_move"])
     malformed: bool = False  # invalid_action="execute": the output broke the format, its action was sent anyway
     anchor: str | None = None  # what the estimators compare for the state, when not the observation (info["anchor"])
-    choices: int | None = None  # admissible actions the environment listed for this step (None: it lists none)
+    forced: bool = False  # the environment listed one admissible action and the step took it: nothing was chosen
 
     @property
     def valid(self) -> bool:
@@ -222,10 +222,13 @@ class EpisodeStates:
 
     def action(self, i: int, completion: Completion) -> tuple[str | None, bool]:
         """What episode i's completion sends to its environment (`read_action`)."""
+        return read_action(completion.text, self.settings, self.admissible(i))
+
+    def admissible(self, i: int) -> list[str]:
+        """Episode i's listed admissible actions as actions are compared: text actions are lower-cased as
+        parse_action writes them; a tool call's arguments keep their case."""
         listed = [a.strip() for a in self.infos[i].get("admissible_actions", [])]
-        # Text actions are lower-cased as parse_action writes them; a tool call's arguments keep their case.
-        admissible = listed if self.settings.action_mode == "tool" else [a.lower() for a in listed]
-        return read_action(completion.text, self.settings, admissible)
+        return listed if self.settings.action_mode == "tool" else [a.lower() for a in listed]
 
     def sends(self, action: str | None) -> bool:
         """Whether a step with `action` goes to the environment (under noop an invalid output does too)."""
@@ -244,8 +247,9 @@ class EpisodeStates:
                             prompt=fit.text, completion=completion, action=action, reward=float(result.reward),
                             shown_history=fit.shown_history, history_cut=fit.history_dropped > 0,
                             observation_cut=fit.observation_cut, over_budget=fit.over_budget, rejected=rejected,
-                            malformed=malformed, anchor=info.get("anchor"),
-                            choices=len(info["admissible_actions"]) if "admissible_actions" in info else None)
+                            malformed=malformed, anchor=info.get("anchor"))
+        # (WebShop lists one placeholder, 'search[<your query>]', and the step writes a query: not forced.)
+        record.forced = record.valid and self.admissible(i) == [action]
         self.records.append(record)
         shown = action if action is not None else invalid_tail(completion.text, self.settings.invalid_tail_chars)
         self.memories[i].add(self.escape(observation), self.escape(shown))

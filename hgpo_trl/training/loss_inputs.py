@@ -31,8 +31,9 @@ def budget_inputs(trainer, rollout: Rollout, advantages: np.ndarray) -> tuple[di
     args = trainer.args
     budget = args.per_device_train_batch_size * args.steps_per_generation
     per_generation = args.steps_per_generation * trainer.num_iterations
-    # A forced step's one admissible action leaves the policy nothing to choose: its row teaches no decision.
-    eligible = None if args.train_forced_steps else np.array([s.choices != 1 for s in rollout.steps], dtype=bool)
+    # A forced step took the one action its environment listed: its row teaches no decision. (An invalid output
+    # on such a step is no forced step: its penalty is trained.)
+    eligible = None if args.train_forced_steps else np.array([not s.forced for s in rollout.steps], dtype=bool)
     selected = select_budget(len(rollout.steps), budget, trainer._sample_rng, eligible)
     steps, padding = [rollout.steps[i] for i in selected], budget - len(selected)
     # Padding rows are masked out of the loss (completion_mask 0, advantage 0): every process keeps the same
