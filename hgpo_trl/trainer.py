@@ -86,8 +86,8 @@ class HGPOTrainer(GRPOTrainer):
                  env_factory: Callable[[], TextEnv] | None = None, environment_factory=None):
         check_trainer_arguments(args, train_dataset)
         model = pretrained_or_same(model)  # a model the project knows by name, or a .gguf file: its folder
-        # Where training started, for the model card (before the in-memory reference renames it).
-        self._base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
+        # Where training started, for the model card (before the reference renames it; a warm start's caller sets it).
+        self.base_model = model if isinstance(model, str) else str(getattr(model.config, "_name_or_path", "") or "")
         with transformers_bars_as_ours(args.disable_tqdm), vllm_starting(args.use_vllm, args.bf16):  # (the reference, vLLM)
             self._saved_start = (args.beta != 0.0 or peft_config is not None) and checkpoints.save_in_memory_weights(
                 model, processing_class, args, peft=peft_config is not None)
@@ -314,7 +314,7 @@ class HGPOTrainer(GRPOTrainer):
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> None:
         """Our own README.md (TRL's describes GRPO and a base model of "None" for one built in memory)."""
         if self.is_world_process_zero():
-            write_model_card(self.args, model_name=model_name, base_model=self._base_model,
+            write_model_card(self.args, model_name=model_name, base_model=self.base_model,
                              log_history=self.state.log_history, completed_iterations=self.completed_iterations)
 
     def _save_checkpoint(self, model, trial) -> None:

@@ -125,6 +125,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
     check_environment(args)
     model, tokenizer = load_model(model_args, env_args, args, train_tasks)
     warmstart = {}
+    source = model.config._name_or_path  # the model card names it: a warm start changes the weights, not that
     if env_args.warmstart_steps > 0:
         if not args.resume_from_checkpoint:  # a resumed run's checkpoint holds the warm-started weights
             warmstart = run_warm_start(model, tokenizer, env_args, args, train_tasks)
@@ -134,6 +135,7 @@ def run(env_args: EnvArguments, args: HGPOConfig, model_args: ModelConfig) -> di
             model.config._name_or_path = ""
     trainer = HGPOTrainer(model=model, args=args, processing_class=tokenizer, train_dataset=train_tasks,
                           eval_dataset=eval_tasks, peft_config=get_peft_config(model_args))
+    trainer.base_model = source
     trainer.clock.start = start
     trainer.signal_stop.announce = False  # (main's last line names the checkpoint, with the command that resumes it)
     if eval_tasks is not None and env_args.eval_before_training and not args.resume_from_checkpoint:
