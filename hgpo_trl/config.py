@@ -198,10 +198,10 @@ class HGPOConfig(HGPOFields, GRPOConfig):
 
     @property
     def streams_from_vllm(self) -> bool:
-        """Whether vLLM takes this process's requests one at a time: colocated, an engine of its own per process,
-        woken once (not per call, as sleep mode does)."""
-        return (self.use_vllm and self.vllm_mode == "colocate" and self.vllm_tensor_parallel_size == 1
-                and not self.vllm_enable_sleep_mode)
+        """Whether vLLM takes this process's requests one at a time: a server, or colocated with an engine of its
+        own per process, woken once (not per call, as sleep mode does)."""
+        return self.use_vllm and (self.vllm_mode == "server" or (
+            self.vllm_tensor_parallel_size == 1 and not self.vllm_enable_sleep_mode))
 
     def plays_continuously(self, env_workers: int) -> bool:
         """Whether rollouts play continuously (`rollout_mode`) with `env_workers` environment worker processes (the

