@@ -38,6 +38,18 @@ class HGPOFields:
                                           "transformers without ZeRO-3 / FSDP) or 'auto' (continuous with "
                                           "colocated vLLM where it has time to win back: environments in worker "
                                           "processes, or completions over 16 tokens; else lockstep)."})
+    async_generation: bool = field(
+        default=False, metadata={"help": "Generate beside training: a thread plays the coming iterations' rollouts on "
+                                         "a vLLM server (vllm_mode 'server', rollouts continuous) while the trainer "
+                                         "trains, the weights pushed after each optimizer step; each step records "
+                                         "the weights it was generated with, and vLLM's importance-sampling "
+                                         "correction reweights it (docs/trainer.md). Needs fixed_budget with one "
+                                         "optimizer step an iteration."})
+    max_staleness: int = field(
+        default=1, metadata={"help": "With async_generation: the most optimizer steps between the weights a step "
+                                     "was generated with and the update that trains it. An iteration is played only "
+                                     "once the server holds weights that recent (nothing is dropped, so long "
+                                     "episodes are not lost); 0: the synchronous run, exactly."})
     max_faulty_iterations: int = field(
         default=3, metadata={"help": "Stop (after saving a checkpoint) when this many iterations in a row have more "
                                      "than half their episodes failed by environment faults; 0: never stop."})

@@ -29,7 +29,7 @@ from hgpo_trl.config_checks import check_trainer_inputs
 from hgpo_trl.envs import TextEnv, is_fast_env, trainer_environment
 from hgpo_trl.envs.pool import EnvBatch, default_worker_count, make_env_batch
 from hgpo_trl.evaluation.protocol import play_shared, validation_metrics
-from hgpo_trl.evaluation.trajectories import rollout_records, write_records
+from hgpo_trl.evaluation.trajectories import dump_path, rollout_records, write_records
 from hgpo_trl.models.model_card import write_model_card
 from hgpo_trl.models.pretrained import pretrained_or_same
 from hgpo_trl.rollout.generation import generation_settings, trainer_rollout
@@ -41,6 +41,7 @@ from hgpo_trl.runtime.progress import transformers_bars_as_ours, transformers_ba
 from hgpo_trl.runtime.seeds import seed_process
 from hgpo_trl.training import checkpoints, loss_inputs
 from hgpo_trl.training.dynamic_sampling import play_training_batches
+from hgpo_trl.training.generation_ahead import rollouts_ahead_stopped
 from hgpo_trl.training.interrupts import StopOnSignal
 from hgpo_trl.training.iterations import (
     EarlyStop,
@@ -116,6 +117,7 @@ class HGPOTrainer(GRPOTrainer):
         check_trainer_inputs(args, eval_dataset is not None, self.accelerator.state.deepspeed_plugin.deepspeed_config
                              if self.is_deepspeed_enabled else None, fsdp=self.is_fsdp_enabled)
         self.early_stop, self.signal_stop = EarlyStop(self), StopOnSignal(self)
+        self._ahead = None  # async_generation: the rollouts played beside training (RolloutsAhead)
         for callback in (IterationCadence(self), self.early_stop, self.signal_stop):  # (a signal's stop comes last:
             self.add_callback(callback)                                              # it skips the evaluation)
         set_up_reporting(self)
@@ -155,9 +157,9 @@ class HGPOTrainer(GRPOTrainer):
             self._envs = None
 
     def _play(self, tasks: list[Mapping[str, Any]], group_size: int, temperature: float,
-              description: str = "rollout") -> Rollout:
+              description: str = "rollout", rollout_seed: int | None = None) -> Rollout:
         """One rollout of `tasks`, each `group_size` times, in the process's environments."""
-        return trainer_rollout(self, self._environments(), tasks, group_size, temperature, description)
+        return trainer_rollout(self, self._environments(), tasks, group_size, temperature, description, rollout_seed)
 
     # ------------------------------------------------------------------ iterations
     @property
@@ -297,10 +299,8 @@ class HGPOTrainer(GRPOTrainer):
             self._log_gathered("train", sampling)
         return inputs
 
-    def _dump(self, name: str, records: list[dict]) -> None:
-        """Write step records to output_dir/trajectories/<name>[_rank<i>].jsonl (read by hgpo_trl.evaluation.trajectories)."""
-        suffix = f"_rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
-        write_records(Path(self.args.output_dir) / "trajectories" / f"{name}{suffix}.jsonl", records)
+    def _dump(self, name: str, records: list[dict]) -> None:  # (read by hgpo_trl.evaluation.trajectories)
+        write_records(dump_path(self.args.output_dir, name, self.accelerator), records)
 
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -332,7 +332,7 @@ class HGPOTrainer(GRPOTrainer):
         """The parent's, from the checkpoint `checkpoints.check_resume` accepts (another process count, damage, shape: refused)."""
         checkpoint = checkpoints.check_resume(resume_from_checkpoint, self.args, self.accelerator.num_processes,
                                               self._saved_start, self.model.config)
-        with self.signal_stop.installed():  # (Ctrl-C / SIGTERM: hgpo_trl.training.interrupts)
+        with self.signal_stop.installed(), rollouts_ahead_stopped(self):  # (Ctrl-C / SIGTERM; async_generation)
             return super().train(checkpoint, trial, ignore_keys_for_eval, **kwargs)
 
     def _issue_warnings_after_load(self, load_result) -> None:

@@ -197,6 +197,28 @@ def test_a_vllm_server_on_a_cpu_trains_with_a_weight_sync_after_each_optimizer_s
 
 
 @pytest.mark.slow
+def test_generation_beside_training_at_max_staleness_0_is_the_synchronous_run_exactly(runs):
+    """Issue 57: async_generation's thread plays each iteration on the server once the weights that train it are
+    there; with max_staleness 0 that is the synchronous run: the same steps (every completion, action and reward of
+    3 sampled iterations) and the same trained weights, bit for bit."""
+    sync, ahead = runs["played_ahead"]["sync"], runs["played_ahead"]["ahead_0"]
+    assert len(sync["steps"]) == 3 and all(sync["steps"])
+    assert ahead["steps"] == sync["steps"] and ahead["weights"] == sync["weights"] and ahead["loss"] == sync["loss"]
+    assert ahead["staleness_max"] == [0.0, 0.0, 0.0] and sync["staleness_max"] == [None, None, None]
+
+
+@pytest.mark.slow
+def test_generation_beside_training_keeps_its_staleness_bound(runs):
+    """With max_staleness 1 the thread plays iteration k + 1 with step k's weights while the trainer trains
+    iteration k: its steps are one optimizer step stale, never more, and they differ from the synchronous run's;
+    the thread is stopped when training ends."""
+    sync, ahead = runs["played_ahead"]["sync"], runs["played_ahead"]["ahead_1"]
+    assert ahead["staleness_max"][0] == 0.0 and ahead["staleness_max"][1:] == [1.0, 1.0]
+    assert ahead["steps"][0] == sync["steps"][0] and ahead["steps"][1:] != sync["steps"][1:]
+    assert all(wait >= 0.0 for wait in ahead["rollout_wait"]) and not ahead["thread_left"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["training", "server_training"])
 def test_right_after_a_sync_vllm_generates_what_the_trainer_model_does(runs, engine):
     """Colocated or hgpo-serve's server, the engine runs the trainer's precision, float32 here (vLLM's "auto" would run the float32

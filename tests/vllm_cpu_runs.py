@@ -5,12 +5,13 @@ one), it plays greedy evaluations with vLLM and with transformers (hgpo-eval's c
 trains HGPO with colocated vLLM (continuous rollouts), then probes the weight sync: vLLM's
 greedy completions and log-probabilities against the trainer model's, before and after a sync; and the streamed
 requests: seeded samples alone and batched, greedy rollouts lock-step and continuous, and rollouts after one that a
-Ctrl-C interrupted. Then a vLLM server started by hgpo-serve: its answers on the first weights, and HGPO trained
-with it as the engine, with the same sync probe. Writes results.json in the folder it is given.
+Ctrl-C interrupted. Then a vLLM server started by hgpo-serve: its answers on the first weights, HGPO trained
+with it as the engine, with the same sync probe, and trained with generation beside training (async_generation). Writes results.json in the folder it is given.
 
     python tests/vllm_cpu_runs.py OUT
 """
 
+import hashlib
 import json
 import signal
 import socket
@@ -53,6 +54,9 @@ GAME = {"env_name": "keydoor", "action_mode": "plain", "max_env_steps": 5, "max_
 # bfloat16, and a greedy choice between two tokens closer than bfloat16's rounding would then differ.
 EVAL_DTYPE = "float32"
 PROBE_TOKENS = 12  # completion tokens compared in the sync probe
+# The tiny model wins few games in 3 iterations: keydoor's reward for taking the gold's key gives its training runs
+# advantages to learn from (without one, every step's advantage was 0 and no weight moved).
+REWARDED = {"key_reward": 1.0}
 
 
 def games(folder: Path) -> list[tuple]:
@@ -257,10 +261,11 @@ def interrupted_rollouts(trainer: HGPOTrainer) -> dict:
 
 
 def training(path: Path, out: Path) -> dict:
-    """Two HGPO iterations with colocated vLLM, counting the weight syncs, then the probe and an evaluation."""
+    """Two HGPO iterations with colocated vLLM, counting the weight syncs (the stream and interruption probes before
+    them, on the first weights), then the sync probe and an evaluation."""
     args = HGPOConfig(output_dir=str(out / "run"), per_device_train_batch_size=16, num_generations=4,
                       tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
-                      logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="colocate",
+                      logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="colocate", env_kwargs=REWARDED,
                       rollout_mode="continuous", **GAME)  # ('auto' plays these 4-token completions lock-step)
     trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8),
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=2))
@@ -271,12 +276,12 @@ def training(path: Path, out: Path) -> dict:
         sync(backend, version)
 
     generation.sync_weights = counted
+    streams = stream_probe(trainer)  # (first: the warm-started weights' greedy games last several steps)
+    interruptions = interrupted_rollouts(trainer)
     trainer.train()
     trained = {"syncs": list(syncs), "global_step": trainer.state.global_step,
                "continuous": trainer.args.plays_continuously(trainer._env_workers)}
     probe = sync_probe(trainer)
-    streams = stream_probe(trainer)
-    interruptions = interrupted_rollouts(trainer)
     evaluated = trainer.evaluate()
     generation.sync_weights = sync
     logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
@@ -296,10 +301,11 @@ def serve(path: Path, out: Path) -> tuple[subprocess.Popen, int]:
 
 def server_training(path: Path, out: Path, port: int) -> dict:
     """Two HGPO iterations with the server as the engine (continuous rollouts, its weights synced through a file
-    after each optimizer step), the weights it reports, then the sync and stream probes."""
+    after each optimizer step; the stream probe before), the weights it reports, then the sync probe."""
     args = HGPOConfig(output_dir=str(out / "server_run"), per_device_train_batch_size=16, num_generations=4,
                       tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
                       logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="server", rollout_mode="continuous",
+                      env_kwargs=REWARDED,
                       vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=300, **GAME)
     trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8))
     syncs, sync = [], generation.sync_weights
@@ -309,13 +315,14 @@ def server_training(path: Path, out: Path, port: int) -> dict:
         sync(backend, version)
 
     generation.sync_weights = counted
+    streams = stream_probe(trainer)  # (on the first weights, as in training())
     trainer.train()
     generation.sync_weights = sync
     client = trainer.vllm_generation.vllm_client
     served = call_server(client, VERSION_METHOD)
     probe = sync_probe(trainer)
     return {"syncs": syncs, "global_step": trainer.state.global_step, "served_before_probe": served,
-            "served_after_probe": call_server(client, VERSION_METHOD), "probe": probe, "streams": stream_probe(trainer),
+            "served_after_probe": call_server(client, VERSION_METHOD), "probe": probe, "streams": streams,
             "continuous": trainer.args.plays_continuously(trainer._env_workers),
             "iterations": len([h for h in trainer.state.log_history if "env/success_rate" in h])}
 
@@ -344,6 +351,41 @@ def server_generation(path: Path, port: int) -> dict:
             "gap": largest_gap([c.logprobs for c in completions], completion_logprobs(model, prompt_ids, ids))}
 
 
+def weights_digest(model) -> str:
+    """A digest of every parameter's bytes: equal only for the very same weights."""
+    digest = hashlib.sha256()
+    for name, parameter in sorted(model.named_parameters()):
+        digest.update(name.encode() + parameter.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def played_ahead(path: Path, out: Path, port: int) -> dict:
+    """Three HGPO iterations with the server (continuous, sampled), synchronous, then played ahead
+    (async_generation) with max_staleness 0 and 1: each iteration's steps as dumped, the trained weights' digest,
+    the staleness and wait logged."""
+    runs = {}
+    for name, ahead in (("sync", {}), ("ahead_0", {"async_generation": True, "max_staleness": 0}),
+                        ("ahead_1", {"async_generation": True, "max_staleness": 1})):
+        folder = out / f"server_{name}"
+        args = HGPOConfig(output_dir=str(folder), per_device_train_batch_size=16, num_generations=4,
+                          tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=3,
+                          logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="server",
+                          rollout_mode="continuous", vllm_server_base_url=f"http://127.0.0.1:{port}",
+                          env_kwargs=REWARDED,
+                          vllm_server_timeout=300, trajectory_dump_every=1, **ahead, **GAME)
+        trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
+        dumps = sorted((folder / "trajectories").glob("iter_*.jsonl"))
+        runs[name] = {"steps": [[(r["episode"], r["step"], r["output"], r["action"], r["reward"])
+                                 for r in read_records(dump)] for dump in dumps],
+                      "weights": weights_digest(trainer.model), "loss": [h["loss"] for h in logs],
+                      "staleness_max": [h.get("async/staleness/max") for h in logs],
+                      "rollout_wait": [h.get("time/rollout_wait") for h in logs],
+                      "thread_left": trainer._ahead is not None}
+    return runs
+
+
 def main(out: Path) -> None:
     tokenizer = build_tiny_tokenizer(keydoor_corpus())
     model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, seed=0)  # head size 32
@@ -357,6 +399,7 @@ def main(out: Path) -> None:
         results = {"evaluations": evaluations(path, out), "training": training(path, out),
                    "server": server_generation(path, port)}
         results["server_training"] = server_training(path, out, port)  # (after: it changes the server's weights)
+        results["played_ahead"] = played_ahead(path, out, port)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -83,6 +83,12 @@ def episode_fields(episode: Episode, tasks: Sequence[Mapping[str, Any]]) -> dict
             "episode_fault": episode.fault, "episode_score": episode.score}
 
 
+def dump_path(output_dir: str | Path, name: str, accelerator) -> Path:
+    """Where a run's process dumps the step records `name`: output_dir/trajectories/<name>[_rank<i>].jsonl."""
+    rank, several = accelerator.process_index, accelerator.num_processes > 1
+    return Path(output_dir) / "trajectories" / (f"{name}_rank{rank}.jsonl" if several else f"{name}.jsonl")
+
+
 def write_records(path: str | Path, records: Sequence[Mapping[str, Any]]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

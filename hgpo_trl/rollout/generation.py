@@ -22,6 +22,7 @@ from hgpo_trl.rollout.vllm_cpu import sync_weights
 from hgpo_trl.rollout.vllm_stream import ServerStream, VLLMStream, abort_unfinished, sampled_logprobs
 from hgpo_trl.runtime.collective import any_process, process_values
 from hgpo_trl.runtime.progress import progress_bar
+from hgpo_trl.runtime.seeds import integer_seed
 
 # generate(prompt_ids) -> (completion_ids, sampling log-probabilities per token, or None when the backend has none)
 Generate = Callable[[list[list[int]]], tuple[list[list[int]], list[list[float]] | None]]
@@ -152,6 +153,24 @@ def sampling_config(config: GenerationConfig, temperature: float) -> GenerationC
     return config
 
 
+def push_weights(trainer) -> None:
+    """The trainer's weights into its vLLM engine, once per optimizer step (every process: ZeRO-3's gathers are
+    collective), and the rollouts played ahead told (`async_generation`)."""
+    step = trainer.state.global_step
+    if step != trainer._last_loaded_step:  # TRL's own record of the synced step
+        sync_weights(trainer.vllm_generation, step)
+        trainer._last_loaded_step = step
+    if getattr(trainer, "_ahead", None) is not None:
+        trainer._ahead.pushed(step)
+
+
+def training_rollout_seed(seed: int, rank: int, iteration: int, batch: int = 0) -> int:
+    """The seed of a training rollout's requests (vLLM draws each request's from it): from the run's seed, the
+    process, the iteration and its rollout batch (dynamic sampling plays several), so that a resumed run and one
+    that plays ahead (`async_generation`) draw what the synchronous run does."""
+    return integer_seed(seed, "training_requests", rank, iteration, batch)
+
+
 @contextmanager
 def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
     """The trainer's `Generate` for one whole rollout: TRL's vLLM backend (weights synced once per rollout, at a
@@ -159,9 +178,7 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
     model itself, unwrapped with ZeRO-3 / FSDP weights gathered once per rollout, not once per turn."""
     if trainer.use_vllm:
         backend = trainer.vllm_generation
-        if trainer.state.global_step != trainer._last_loaded_step:  # TRL's own record of the synced step
-            sync_weights(backend, trainer.state.global_step)
-            trainer._last_loaded_step = trainer.state.global_step
+        push_weights(trainer)
         previous, backend.temperature = backend.temperature, temperature
 
         def generate(prompt_ids):
@@ -191,10 +208,11 @@ def trainer_generator(trainer, temperature: float) -> Iterator[Generate]:
 
 
 @contextmanager
-def completion_stream(trainer, policy: ModelPolicy, temperature: float, concurrency: int) -> Iterator[CompletionStream]:
+def completion_stream(trainer, policy: ModelPolicy, temperature: float, concurrency: int,
+                      rollout_seed: int | None) -> Iterator[CompletionStream]:
     """The continuous rollout's stream: colocated vLLM's requests, a server's (up to `concurrency` in flight; the
     main process uses TRL's client, the others a client of their own), or transformers' generate on the prompts
-    waiting."""
+    waiting. vLLM draws each request's seed from `rollout_seed` (None: one from this process's generation stream)."""
     if not trainer.use_vllm:
         yield PolicyStream(policy)
         return
@@ -202,10 +220,10 @@ def completion_stream(trainer, policy: ModelPolicy, temperature: float, concurre
                                                                                skip_special_tokens=True)
     backend = trainer.vllm_generation
     if backend.mode == "colocate":
-        yield VLLMStream(backend, temperature, prompt_ids, decode)
+        yield VLLMStream(backend, temperature, prompt_ids, decode, rollout_seed)
         return
     client = backend.vllm_client if trainer.accelerator.is_main_process else request_client(trainer)
-    stream = ServerStream(client, backend, temperature, prompt_ids, decode, concurrency)
+    stream = ServerStream(client, backend, temperature, prompt_ids, decode, concurrency, rollout_seed)
     try:
         yield stream
     finally:
@@ -224,7 +242,7 @@ def request_client(trainer):
 
 
 def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_size: int, temperature: float,
-                    description: str) -> Rollout:
+                    description: str, rollout_seed: int | None = None) -> Rollout:
     """One rollout of the trainer's policy: every task played `group_size` times in `envs`. Lock-step: one generate
     call of `trainer_generator`'s per turn; with several processes every process joins every call (with dummy
     prompts when it has no live episode, or fewer than a backend that slices by position needs) until no process
@@ -248,7 +266,7 @@ def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_siz
         policy = ModelPolicy(trainer._tokenizer, generate, trainer.chat_template_kwargs,
                              call_size=lockstep_count if lockstep else None)
         if continuous:
-            with completion_stream(trainer, policy, temperature, concurrency=len(tasks) * group_size) as stream:
+            with completion_stream(trainer, policy, temperature, len(tasks) * group_size, rollout_seed) as stream:
                 return run_continuous(envs, tasks, group_size, stream, trainer.rollout_settings, on_turn=on_turn,
                                       count_tokens=policy.count_tokens)
         return run_rollout(envs, tasks, group_size, policy, trainer.rollout_settings, on_turn=on_turn,

@@ -42,6 +42,7 @@ class Completion:
     prompt_ids: list[int] = field(default_factory=list)
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None  # sampling log-probabilities, when the backend gives them
+    version: int | None = None  # the optimizer step of the weights the engine held when asked (async_generation)
 
 
 class Policy(Protocol):

@@ -46,6 +46,12 @@ def abort_unfinished(engine) -> None:
     engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
 
+def draw_rollout_seed() -> int:
+    """A rollout's seed from this process's generation stream (torch's, seeded by the run): where the caller gives
+    none (evaluation; a training rollout's comes from its iteration)."""
+    return int(torch.randint(0, 2**63 - 1, ()))
+
+
 def request_seed(rollout_seed: int, episode: int, step: int) -> int:
     """A request's sampling seed: 32 bits of the SeedSequence of (rollout seed, episode, step)."""
     return int(np.random.SeedSequence((rollout_seed, episode, step)).generate_state(1)[0])
@@ -56,7 +62,7 @@ class VLLMStream:
     `prompt_ids(text)` encodes a prompt as the lock-step policy does; `decode` turns completion ids into text."""
 
     def __init__(self, backend, temperature: float, prompt_ids: Callable[[str], list[int]],
-                 decode: Callable[[list[int]], str]):
+                 decode: Callable[[list[int]], str], rollout_seed: int | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -66,7 +72,7 @@ class VLLMStream:
         # deep copies were a request's largest cost in a profile of the quickstart's rollout, and no field is changed.
         self._params = SamplingParams(**sampling_kwargs(backend, temperature), skip_clone=True,
                                       output_kind=RequestOutputKind.FINAL_ONLY)
-        self._rollout_seed = int(torch.randint(0, 2**63 - 1, ()))  # (this process's generation stream)
+        self._rollout_seed = draw_rollout_seed() if rollout_seed is None else rollout_seed
         self._keys: dict[str, int] = {}
 
     def submit(self, key: int, prompt: str, step: int) -> None:
@@ -99,38 +105,55 @@ class ServerStream:
     `client`, one prompt a call), sent from a thread of a pool so that every waiting prompt is in the server's
     continuous batch; `finished()` waits for the first answer and returns all that have come. The sampling
     settings are TRL's server call's, plus a seed per request drawn as `VLLMStream` draws it. Several trainer
-    processes each send their own requests: no process waits for another."""
+    processes each send their own requests: no process waits for another. Played ahead of the trainer
+    (`hgpo_trl.rollout.ahead`): each completion records `version()`, the engine's weights when it was asked, and
+    `finished()` raises `RolloutsStopped` once `stopped()`."""
 
     def __init__(self, client, backend, temperature: float, prompt_ids: Callable[[str], list[int]],
-                 decode: Callable[[list[int]], str], concurrency: int):
+                 decode: Callable[[list[int]], str], concurrency: int, rollout_seed: int | None = None,
+                 version: Callable[[], int | None] = lambda: None, stopped: Callable[[], bool] = lambda: False):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.client, self.prompt_ids, self.decode = client, prompt_ids, decode
+        self.client, self.prompt_ids, self.decode, self.version, self.stopped = \
+            client, prompt_ids, decode, version, stopped
         self._settings = {"n": 1, "repetition_penalty": backend.repetition_penalty, "temperature": temperature,
                           "top_p": backend.top_p, "top_k": backend.top_k, "min_p": backend.min_p or 0.0,
                           "max_tokens": backend.max_completion_length, "logprobs": backend.logprobs,
                           "structured_outputs_regex": backend.structured_outputs_regex}
         self._generation_kwargs = backend.generation_kwargs or {}
-        self._rollout_seed = int(torch.randint(0, 2**63 - 1, ()))  # (this process's generation stream)
+        self._rollout_seed = draw_rollout_seed() if rollout_seed is None else rollout_seed
         self._pool = ThreadPoolExecutor(max_workers=max(concurrency, 1), thread_name_prefix="vllm-request")
         self._requests: dict = {}  # future -> episode key
 
-    def _complete(self, prompt_ids: list[int], seed: int) -> Completion:
-        answer = self.client.generate(prompts=[prompt_ids], **self._settings,
-                                      generation_kwargs={**self._generation_kwargs, "seed": seed})
+    def _complete(self, prompt_ids: list[int], seed: int, version: int | None) -> Completion:
+        import requests
+
+        try:
+            answer = self.client.generate(prompts=[prompt_ids], **self._settings,
+                                          generation_kwargs={**self._generation_kwargs, "seed": seed})
+        except requests.RequestException as err:  # (after TRL's client's retries)
+            raise RuntimeError(f"the vLLM server at {self.client.base_url} did not answer a request "
+                               f"({type(err).__name__}): is it still running?") from None
         ids = list(answer["completion_ids"][0])
         logprobs = answer["logprobs"]
         return Completion(text=self.decode(ids), prompt_ids=list(answer["prompt_ids"][0]), completion_ids=ids,
-                          logprobs=None if logprobs is None else sampled_logprobs(logprobs)[0])
+                          logprobs=None if logprobs is None else sampled_logprobs(logprobs)[0], version=version)
 
     def submit(self, key: int, prompt: str, step: int) -> None:
-        future = self._pool.submit(self._complete, self.prompt_ids(prompt), request_seed(self._rollout_seed, key, step))
+        future = self._pool.submit(self._complete, self.prompt_ids(prompt), request_seed(self._rollout_seed, key, step),
+                                   self.version())
         self._requests[future] = key
 
     def finished(self) -> list[tuple[int, Completion]]:
         from concurrent.futures import FIRST_COMPLETED, wait
 
-        done, _ = wait(list(self._requests), return_when=FIRST_COMPLETED)
+        from hgpo_trl.rollout.ahead import RolloutsStopped
+
+        done: set = set()
+        while not done:
+            if self.stopped():
+                raise RolloutsStopped("the rollouts ahead were stopped")
+            done, _ = wait(list(self._requests), timeout=STOP_POLL_SECONDS, return_when=FIRST_COMPLETED)
         return [(self._requests.pop(future), future.result()) for future in done]
 
     def abort(self) -> None:
@@ -140,3 +163,6 @@ class ServerStream:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+STOP_POLL_SECONDS = 0.5  # how often a stream waiting on a server looks whether its rollouts were stopped

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 # Each purpose's fixed number in the entropy tuple: never renumber one (a run's draws would change).
-PURPOSES = {"generation": 1, "sub_sampling": 2, "extra_tasks": 3}
+PURPOSES = {"generation": 1, "sub_sampling": 2, "extra_tasks": 3, "training_requests": 4}
 
 
-def seed_sequence(seed: int, purpose: str, rank: int = 0) -> np.random.SeedSequence:
-    """The SeedSequence of (seed, rank, purpose); a negative seed is taken modulo 2**64."""
-    return np.random.SeedSequence((seed % 2**64, rank, PURPOSES[purpose]))
+def seed_sequence(seed: int, purpose: str, rank: int = 0, *more: int) -> np.random.SeedSequence:
+    """The SeedSequence of (seed, rank, purpose, *more); a negative seed is taken modulo 2**64."""
+    return np.random.SeedSequence((seed % 2**64, rank, PURPOSES[purpose], *more))
 
 
 def stream(seed: int, purpose: str, rank: int = 0) -> np.random.Generator:
@@ -23,10 +23,10 @@ def stream(seed: int, purpose: str, rank: int = 0) -> np.random.Generator:
     return np.random.default_rng(seed_sequence(seed, purpose, rank))
 
 
-def integer_seed(seed: int, purpose: str, rank: int = 0) -> int:
+def integer_seed(seed: int, purpose: str, rank: int = 0, *more: int) -> int:
     """A seed for the libraries that take one integer (torch, Python's and numpy's global generators): 32 bits of
     the stream's state, as many as numpy's global generator takes."""
-    return int(seed_sequence(seed, purpose, rank).generate_state(1)[0])
+    return int(seed_sequence(seed, purpose, rank, *more).generate_state(1)[0])
 
 
 def seed_process(seed: int, rank: int) -> np.random.Generator:

@@ -12,11 +12,14 @@ decided from counts summed over the processes, so none waits in a collective the
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hgpo_trl.rollout.generation import training_rollout_seed
 from hgpo_trl.rollout.lockstep import Rollout
 from hgpo_trl.runtime.collective import elementwise_process_sum
+from hgpo_trl.training.generation_ahead import take_rollout
 
 TASK_CHOICES = ("fresh", "replay")
 
@@ -89,10 +92,14 @@ def play_training_batches(trainer, tasks: list) -> tuple[Rollout, list]:
     many as `play_filtered` plays (their metrics logged), with the kept groups' tasks in group order. A broken
     environment stops the run: the fault streak counts iterations, over every episode the iteration played."""
     args, accelerator = trainer.args, trainer.accelerator
+    batches = itertools.count()
 
     def play(batch_tasks: list) -> Rollout:  # (its bar, or its lines, named for the iteration it plays)
+        if args.async_generation:  # (played ahead, in a thread)
+            return take_rollout(trainer)
         return trainer._play(batch_tasks, trainer.num_generations, trainer.temperature,
-                             f"iteration {trainer._iteration + 1} rollout")
+                             f"iteration {trainer._iteration + 1} rollout", rollout_seed=training_rollout_seed(
+                                 args.seed, accelerator.process_index, trainer._iteration, next(batches)))
 
     if not args.dynamic_sampling:
         rollout = play(tasks)
