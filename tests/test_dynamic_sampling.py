@@ -80,9 +80,9 @@ def run(tmp_path, tiny_model, tiny_tokenizer, kinds, env=OneStepScores, **overri
     played = []
     play = trainer._play
 
-    def recording(tasks, *args):
+    def recording(tasks, *args, **kwargs):
         played.append([int(t["task_id"]) for t in tasks])
-        return play(tasks, *args)
+        return play(tasks, *args, **kwargs)
 
     trainer._play = recording
     return trainer, played

@@ -27,12 +27,12 @@ def signal_during(monkeypatch, iteration: int, number: int = signal.SIGINT) -> l
     started: list[int] = []
     play = HGPOTrainer._play
 
-    def playing(self, tasks, group_size, temperature, description="rollout"):
+    def playing(self, tasks, group_size, temperature, description="rollout", **kwargs):
         if description.endswith("rollout"):  # (a training rollout, "iteration N rollout"; not an evaluation chunk)
             started.append(self._iteration + 1)
             if started[-1] == iteration and started.count(iteration) == 1:
                 os.kill(os.getpid(), number)
-        return play(self, tasks, group_size, temperature, description)
+        return play(self, tasks, group_size, temperature, description, **kwargs)
 
     monkeypatch.setattr(HGPOTrainer, "_play", playing)
     return started
@@ -104,13 +104,13 @@ def test_a_stop_delivered_again_still_ends_with_its_checkpoint_and_the_resume_li
     started: list[int] = []
     play, plot = HGPOTrainer._play, command.plot_learning
 
-    def playing(self, tasks, group_size, temperature, description="rollout"):
+    def playing(self, tasks, group_size, temperature, description="rollout", **kwargs):
         if description.endswith("rollout"):
             started.append(self._iteration + 1)
             if len(started) == 2:
                 for number in numbers:
                     os.kill(os.getpid(), number)
-        return play(self, tasks, group_size, temperature, description)
+        return play(self, tasks, group_size, temperature, description, **kwargs)
 
     def plotting(*args):
         os.kill(os.getpid(), numbers[-1])  # (after train(): the command's handler, no longer the trainer's)
@@ -142,14 +142,14 @@ def test_a_second_signal_after_the_window_stops_at_once_in_one_line(tmp_path, mo
     started: list[int] = []
     play = HGPOTrainer._play
 
-    def playing(self, tasks, group_size, temperature, description="rollout"):
+    def playing(self, tasks, group_size, temperature, description="rollout", **kwargs):
         if description.endswith("rollout"):  # (a training rollout, "iteration N rollout"; not an evaluation chunk)
             started.append(self._iteration + 1)
             if len(started) == 2:
                 os.kill(os.getpid(), number)
                 time.sleep(0.3)  # (the handler ran at once, in this thread: the window is over)
                 os.kill(os.getpid(), number)
-        return play(self, tasks, group_size, temperature, description)
+        return play(self, tasks, group_size, temperature, description, **kwargs)
 
     monkeypatch.setattr(HGPOTrainer, "_play", playing)
     with pytest.raises(SystemExit) as stop:

@@ -179,9 +179,9 @@ def main(out: str, extra: list[str]) -> None:
     played, turns = [], []
     original = trainer._play
 
-    def recording_play(tasks, group_size, temperature, *args):
+    def recording_play(tasks, group_size, temperature, *args, **kwargs):
         played.append([int(t["task_id"]) for t in tasks])
-        rollout = original(tasks, group_size, temperature, *args)
+        rollout = original(tasks, group_size, temperature, *args, **kwargs)
         turns.append(rollout.turns)
         return rollout
 

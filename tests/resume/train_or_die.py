@@ -61,12 +61,12 @@ def train(out: str, tokenizer, resume: bool, iterations: int = 6, signal_at: int
                           train_dataset=make_tasks("keydoor", "train", num_rooms=4, num_colors=4).select(range(4)))
     play = trainer._play
 
-    def playing(tasks, *rest):
+    def playing(tasks, *rest, **options):
         if trainer._iteration + 1 == signal_at and trainer.accelerator.process_index == signal_rank:
             os.kill(os.getpid(), number)
         if trainer._iteration + 1 == pause_at:
             pause(Path(out), trainer.accelerator.process_index)
-        return play(tasks, *rest)
+        return play(tasks, *rest, **options)
 
     trainer._play = playing
     trainer.train(resume_from_checkpoint=get_last_checkpoint(out) if resume else None)
