@@ -27,6 +27,18 @@ def cpu_precision_default(use_cpu: bool) -> bool | None:
     return None if torch.cuda.is_available() and not use_cpu else False
 
 
+def forget_deepspeed_config(config) -> None:
+    """After `config` was refused: the DeepSpeed config transformers registered for it (a weak reference, taken
+    before the file is read) is no longer the process's, half built or not: kept alive by the refusal's exception
+    (a notebook's last error), it made every later model forward fail ("no attribute '_stage'")."""
+    from transformers.integrations import deepspeed
+
+    registered = deepspeed._hf_deepspeed_config_weak_ref() if deepspeed._hf_deepspeed_config_weak_ref else None
+    if registered is not None and (not hasattr(registered, "_stage")
+                                   or registered is getattr(config, "hf_deepspeed_config", None)):
+        deepspeed.unset_hf_deepspeed_config()
+
+
 @dataclass
 class HGPOConfig(HGPOFields, GRPOConfig):
     """Configuration of `HGPOTrainer`.
@@ -44,6 +56,13 @@ class HGPOConfig(HGPOFields, GRPOConfig):
     _VALID_DICT_FIELDS: ClassVar[list[str]] = [*GRPOConfig._VALID_DICT_FIELDS, "env_kwargs"]
 
     def __post_init__(self) -> None:
+        try:
+            self._check_and_set()
+        except BaseException:
+            forget_deepspeed_config(self)
+            raise
+
+    def _check_and_set(self) -> None:
         check_values(self)
         if self.bf16 is None and not self.fp16:
             self.bf16 = cpu_precision_default(self.use_cpu)

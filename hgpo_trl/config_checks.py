@@ -91,12 +91,12 @@ def check_values(args: HGPOConfig) -> None:
          "false unless use_vllm is true with vllm_mode 'server' (generation runs on the server's own resources: "
          "hgpo-serve)"),
         ("async_generation", not args.async_generation or (
-            args.step_batching == "fixed_budget" and not args.dynamic_sampling and args.rollout_mode != "lockstep"
+            args.step_batching == "fixed_budget" and not args.dynamic_sampling and args.rollout_mode == "continuous"
             and (args.steps_per_generation or args.gradient_accumulation_steps) * args.num_iterations
             == args.gradient_accumulation_steps),
          "false unless each iteration is one optimizer step (step_batching 'fixed_budget', steps_per_generation x "
-         "num_iterations = gradient_accumulation_steps), without dynamic_sampling, rollout_mode not 'lockstep' "
-         "(the thread plays each episode on its own)"),
+         "num_iterations = gradient_accumulation_steps), without dynamic_sampling, with rollout_mode 'continuous' "
+         "(the thread plays each episode on its own, as the synchronous run it reproduces at max_staleness 0)"),
         ("step_batching", args.step_batching in STEP_BATCHINGS, f"one of {STEP_BATCHINGS}"),
         ("max_rollout_batches", args.max_rollout_batches >= 1, "an integer >= 1"),
         ("dynamic_sampling_tasks", args.dynamic_sampling_tasks in TASK_CHOICES, f"one of {TASK_CHOICES}"),

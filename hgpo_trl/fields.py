@@ -40,7 +40,8 @@ class HGPOFields:
                                           "processes, or completions over 16 tokens; else lockstep)."})
     async_generation: bool = field(
         default=False, metadata={"help": "Generate beside training: a thread plays the coming iterations' rollouts on "
-                                         "a vLLM server (vllm_mode 'server', rollouts continuous) while the trainer "
+                                         "a vLLM server (vllm_mode 'server', rollout_mode 'continuous') while the "
+                                         "trainer "
                                          "trains, the weights pushed after each optimizer step; each step records "
                                          "the weights it was generated with, and vLLM's importance-sampling "
                                          "correction reweights it (docs/trainer.md). Needs fixed_budget with one "

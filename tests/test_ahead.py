@@ -84,3 +84,21 @@ def test_a_failed_rollout_reaches_the_trainer_and_a_stop_ends_one_in_flight():
     assert entered.wait(5)
     ahead.stop()
     assert not ahead._thread.is_alive() and closed == [True]
+
+
+@pytest.mark.parametrize(("options", "refusal"), [
+    ({"vllm_mode": "colocate"}, "must be false unless use_vllm is true with vllm_mode 'server'"),
+    ({"rollout_mode": "auto"}, "with rollout_mode 'continuous'"),
+    ({"step_batching": "all_steps"}, "each iteration is one optimizer step"),
+    ({"dynamic_sampling": True}, "without dynamic_sampling"),
+    ({"gradient_accumulation_steps": 2, "steps_per_generation": 4}, "steps_per_generation x num_iterations"),
+])
+def test_async_generation_is_refused_in_one_line_where_its_bound_cannot_hold(options, refusal):
+    from hgpo_trl.config import HGPOConfig
+
+    settings = {"use_vllm": True, "vllm_mode": "server", "rollout_mode": "continuous", **options}
+    with pytest.raises(ValueError) as err:
+        HGPOConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, async_generation=True, **settings)
+    assert str(err.value).startswith("HGPOConfig.async_generation must be false unless") and refusal in str(err.value)
+    with pytest.raises(ValueError, match=r"^HGPOConfig.max_staleness must be an integer >= 0"):
+        HGPOConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, max_staleness=-1)

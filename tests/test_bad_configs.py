@@ -9,6 +9,7 @@ import pytest
 
 from hgpo_trl.commands import train as cli
 from hgpo_trl.commands.train import ConfigError, main, parse
+from hgpo_trl.config import HGPOConfig
 
 GOOD = "model_name_or_path: tiny\nreport_to: none\nuse_cpu: true\n"
 
@@ -196,3 +197,15 @@ def test_the_good_base_config_parses(tmp_path):
     """The rows above fail because of their one bad line, not because of the base they share."""
     env_args, args, model_args = parse(["--config", config(tmp_path, "")])
     assert model_args.model_name_or_path == "tiny" and args.temperature > 0 and env_args.train_split == "train"
+
+
+def test_a_refused_deepspeed_config_is_not_left_as_the_processs(tmp_path):
+    """transformers registers a run's DeepSpeed config (a weak reference) before reading it: a config refused on a
+    missing file stayed registered, half built, while its exception was kept (a notebook's last error, pytest's
+    report), and the next model forward of any run in the process failed ("'HfTrainerDeepSpeedConfig' object has no
+    attribute '_stage'": a complete CI run, test_paper_configs after test_bad_configs on one worker)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    with pytest.raises(ValueError, match="existing deepspeed config") as kept:
+        HGPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, deepspeed=str(tmp_path / "absent.json"))
+    assert kept.value is not None and is_deepspeed_zero3_enabled() is False

@@ -9,6 +9,7 @@ must be out of sight while vLLM starts on a CPU (`vllm_starting`)."""
 
 import importlib.metadata
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -147,6 +148,10 @@ def sync_weights(backend, version: int) -> None:
     else:
         reload_into(backend.llm.llm_engine.model_executor.driver_worker.model_runner, backend._iter_named_params())
         backend.llm.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)
+    if backend.mode == "server":
+        if backend.accelerator.is_main_process:
+            reset_server_cache(backend.vllm_client)
+        backend.accelerator.wait_for_everyone()  # (no process sends a request before the server has the weights)
 
 
 # A vLLM server on a CPU. TRL syncs a server over NCCL (vLLM's weight-transfer engine), which needs CUDA on both
@@ -176,10 +181,12 @@ class WeightFileLoader:
         return getattr(self, "hgpo_version", -1)
 
 
-def shared_folder() -> Path:
-    """Where the trainer leaves the weights for a server on this machine: shared memory where there is some."""
+def shared_folder(size: int) -> Path:
+    """Where the trainer leaves `size` bytes of weights for a server on this machine: shared memory where it has
+    room (a container's is often 64 MB), else the temporary folder."""
     shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    roomy = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * size
+    return shm if roomy else Path(tempfile.gettempdir())
 
 
 def call_server(client, method: str, *args: str):
@@ -220,10 +227,24 @@ def sync_server_by_file(backend, version: int) -> None:
             weights[name] = tensor.detach().to("cpu", copy=True).contiguous()
     if not main:
         return
-    path = shared_folder() / f"hgpo-weights-{os.getpid()}.safetensors"
+    path = shared_folder(sum(t.numel() * t.element_size() for t in weights.values())) / \
+        f"hgpo-weights-{os.getpid()}.safetensors"
     try:
         save_file(weights, str(path))
         call_server(backend.vllm_client, LOAD_METHOD, str(path), str(version))
     finally:
         path.unlink(missing_ok=True)
-    backend.vllm_client.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)
+
+
+def reset_server_cache(client) -> None:
+    """Empty the server's prefix cache (cached prompts hold the old weights' keys and values), running requests
+    included: TRL's reset leaves the cache as it is while a request runs (vLLM answers success false), which is
+    whenever rollouts play ahead of the trainer (async_generation); a running request is preempted and its keys
+    and values computed again with the new weights."""
+    import requests
+
+    response = requests.post(f"{client.base_url}/reset_prefix_cache", params={"reset_running_requests": "true"},
+                             timeout=RPC_TIMEOUT)
+    if response.status_code != 200 or not response.json().get("success", False):
+        raise RuntimeError(f"the vLLM server at {client.base_url} did not empty its prefix cache after a weight "
+                           f"sync (HTTP {response.status_code}: {response.text[-200:]})")

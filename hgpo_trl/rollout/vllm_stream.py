@@ -124,6 +124,7 @@ class ServerStream:
         self._rollout_seed = draw_rollout_seed() if rollout_seed is None else rollout_seed
         self._pool = ThreadPoolExecutor(max_workers=max(concurrency, 1), thread_name_prefix="vllm-request")
         self._requests: dict = {}  # future -> episode key
+        self._aborted = False
 
     def _complete(self, prompt_ids: list[int], seed: int, version: int | None) -> Completion:
         import requests
@@ -134,6 +135,8 @@ class ServerStream:
         except requests.RequestException as err:  # (after TRL's client's retries)
             raise RuntimeError(f"the vLLM server at {self.client.base_url} did not answer a request "
                                f"({type(err).__name__}): is it still running?") from None
+        except Exception as err:  # TRL's client: "Request failed: <status>, <the server's answer>"
+            raise RuntimeError(f"the vLLM server at {self.client.base_url} refused a request: {str(err)[:300]}") from None
         ids = list(answer["completion_ids"][0])
         logprobs = answer["logprobs"]
         return Completion(text=self.decode(ids), prompt_ids=list(answer["prompt_ids"][0]), completion_ids=ids,
@@ -157,12 +160,14 @@ class ServerStream:
         return [(self._requests.pop(future), future.result()) for future in done]
 
     def abort(self) -> None:
-        """Drop the requests not sent yet; those the server holds finish there, their answers unread."""
+        """Drop the requests not sent yet; those the server holds finish there, their answers unread (their threads
+        are not waited for)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._requests.clear()
+        self._aborted = True
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=not self._aborted)
 
 
 STOP_POLL_SECONDS = 0.5  # how often a stream waiting on a server looks whether its rollouts were stopped
