@@ -222,8 +222,7 @@ def completion_stream(trainer, policy: ModelPolicy, temperature: float, concurre
     if backend.mode == "colocate":
         yield VLLMStream(backend, temperature, prompt_ids, decode, rollout_seed)
         return
-    client = backend.vllm_client if trainer.accelerator.is_main_process else request_client(trainer)
-    stream = ServerStream(client, backend, temperature, prompt_ids, decode, concurrency, rollout_seed)
+    stream = ServerStream(request_client(trainer), backend, temperature, prompt_ids, decode, concurrency, rollout_seed)
     try:
         yield stream
     finally:
@@ -231,7 +230,9 @@ def completion_stream(trainer, policy: ModelPolicy, temperature: float, concurre
 
 
 def request_client(trainer):
-    """The server's client of a process other than the main one (TRL gives the main one alone a client), made once."""
+    """This process's client of the server: TRL's on the main process (TRL gives it alone one), else one made once."""
+    if trainer.accelerator.is_main_process:
+        return trainer.vllm_generation.vllm_client
     if getattr(trainer, "_request_client", None) is None:
         from trl.generation.vllm_client import VLLMClient
 

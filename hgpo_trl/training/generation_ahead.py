@@ -27,7 +27,7 @@ def start_rollouts_ahead(trainer) -> RolloutsAhead:
     args, accelerator = trainer.args, trainer.accelerator
     rank, processes = accelerator.process_index, accelerator.num_processes
     backend = trainer.vllm_generation
-    client = backend.vllm_client if accelerator.is_main_process else request_client(trainer)
+    client = request_client(trainer)
     envs = make_env_batch(trainer.env_factory, args.tasks_per_device * trainer.num_generations, trainer._env_workers,
                           step_timeout=args.env_step_timeout, reset_timeout=args.env_reset_timeout)
     policy = ModelPolicy(copy.deepcopy(trainer._tokenizer), None, trainer.chat_template_kwargs)
