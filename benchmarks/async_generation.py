@@ -3,13 +3,19 @@
 tiny keydoor model (warm-started, built here) or a real model by name.
 
     .venv/vllm-cpu/bin/python benchmarks/async_generation.py [--model smollm2-135m-instruct] [--iterations 8]
-        [--server_cores 1] [--trainer_cores 0] [--max_staleness 1]
+        [--server_cores 1] [--trainer_cores 0] [--max_staleness 1] [--learn SECONDS]
 
 Per mode it prints the iterations and steps per second over the iterations after the first (its start-up, the
 first weight push, is left out), the trainer's idle fraction (waiting for a rollout: synchronously the whole
 rollout, played ahead `time/rollout_wait`), the server's busy fraction (the rollouts' own seconds over the wall
 time), the staleness of the steps trained (optimizer steps, per iteration's mean and largest), and the speed-up.
 Both modes play the same tasks with the same request seeds; the server is started once and not timed.
+
+With `--learn SECONDS`, the learning curves instead: each mode trains the quickstart's recipe (configs/
+quickstart.yaml: the tiny model, 8 tasks x 8, HGPO) for SECONDS of wall time, greedy validation on the same 64
+held-out tasks every 5 iterations (its time counted), and prints validation success against wall time.
+(A real model by name is converted once by the project's venv: `.venv/bin/python -c "from hgpo_trl.models.pretrained
+import pretrained_folder; pretrained_folder('smollm2-135m-instruct')"`.)
 """
 
 from __future__ import annotations
@@ -51,13 +57,17 @@ class IterationClock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
-def tiny_model(folder: Path) -> str:
-    """A tiny keydoor model, warm-started on the format (head size 32: vLLM's CPU attention has none smaller)."""
-    tasks = list(make_tasks("keydoor", "train", num_tasks=16, **TASK_KWARGS))
-    tokenizer = build_tiny_tokenizer(environment_corpus(make_env("keydoor"), tasks))
-    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, seed=0)
-    warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=6), tasks, steps=200, max_steps=6,
-               batch_size=64, learning_rate=1e-3, use_cpu=True)  # (the quickstart's)
+def tiny_model(folder: Path, quickstart: bool) -> str:
+    """A tiny keydoor model, warm-started on the format as the quickstart does (head size 32: vLLM's CPU attention has
+    none smaller): the throughput's (hidden 64, 2 layers, 6-step episodes) or the quickstart's own (--learn)."""
+    tasks = list(make_tasks("keydoor", "train", num_tasks=256 if quickstart else 16, **TASK_KWARGS))
+    env_kwargs, steps = ({"coin_reward": 0.0, "key_reward": 3.0}, 8) if quickstart else ({}, 6)
+    tokenizer = build_tiny_tokenizer(environment_corpus(make_env("keydoor", **env_kwargs), tasks))
+    shape = {"hidden_size": 128, "num_layers": 1, "num_heads": 4} if quickstart else \
+        {"hidden_size": 64, "num_layers": 2, "num_heads": 2}
+    model = build_tiny_model(tokenizer, **shape, seed=0)
+    warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=steps, **env_kwargs), tasks, steps=200,
+               max_steps=steps, batch_size=64, learning_rate=1e-3, use_cpu=True)
     return str(save_tiny(model, tokenizer, folder / "tiny"))
 
 
@@ -82,18 +92,54 @@ def serve(model: str, cores: str, folder: Path) -> tuple[subprocess.Popen, str]:
             time.sleep(2)
 
 
+class WallBudget(TrainerCallback):
+    """Stops the run at the first iteration's end after `seconds` of training."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = time.perf_counter() - self.start >= self.seconds
+
+
+def settings(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
+    """The run's HGPOConfig fields: the throughput's iterations, or the quickstart's recipe (--learn)."""
+    common = {"output_dir": str(folder / ("ahead" if ahead else "sync")), "report_to": "none", "use_cpu": True,
+              "env_name": "keydoor", "action_mode": "plain", "logging_steps": 1, "save_strategy": "no",
+              "use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "rollout_mode": "continuous",
+              "async_generation": ahead, "max_staleness": options.max_staleness, "disable_tqdm": True}
+    if not options.learn:
+        return {**common, "env_kwargs": {"key_reward": 3.0}, "invalid_action": "noop", "max_env_steps": 6,
+                "max_completion_length": 8, "temperature": 1.5, "tasks_per_device": 4, "num_generations": 8,
+                "per_device_train_batch_size": 16, "train_forced_steps": False, "learning_rate": 3e-5, "beta": 0.0,
+                "train_iterations": options.iterations}
+    return {**common, "env_kwargs": {"coin_reward": 0.0, "key_reward": 3.0}, "tasks_per_device": 8,
+            "num_generations": 8, "max_env_steps": 8, "history_length": 2, "admissible_only": True,
+            "invalid_action": "end_episode", "max_completion_length": 6, "temperature": 1.5, "eval_temperature": 0.0,
+            "estimator": "hgpo", "gamma": 0.95, "hierarchy_depth": 2, "per_device_train_batch_size": 128,
+            "learning_rate": 5e-4, "lr_scheduler_type": "constant", "beta": 0.2, "gradient_checkpointing": False,
+            "train_iterations": 1000, "eval_strategy": "steps", "eval_steps": 5}
+
+
 def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
-    args = HGPOConfig(output_dir=str(folder / ("ahead" if ahead else "sync")), report_to="none", use_cpu=True,
-                      env_name="keydoor", env_kwargs={"key_reward": 3.0}, action_mode="plain", invalid_action="noop", max_env_steps=6, max_completion_length=8, temperature=1.5,
-                      tasks_per_device=4, num_generations=8, per_device_train_batch_size=16, train_forced_steps=False,
-                      learning_rate=3e-5, beta=0.0, train_iterations=options.iterations, logging_steps=1,
-                      save_strategy="no", use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
-                      rollout_mode="continuous", async_generation=ahead, max_staleness=options.max_staleness,
-                      disable_tqdm=True)
-    trainer = HGPOTrainer(model=model, args=args,
+    args = HGPOConfig(**settings(model, url, folder, options, ahead))
+    evaluation = make_tasks("keydoor", "valid", num_tasks=64, **TASK_KWARGS) if options.learn else None
+    trainer = HGPOTrainer(model=model, args=args, eval_dataset=evaluation,
                           train_dataset=make_tasks("keydoor", "train", num_tasks=256, **TASK_KWARGS))
     clock = IterationClock()
     trainer.add_callback(clock)
+    if options.learn:
+        trainer.add_callback(WallBudget(options.learn))
+        start = time.perf_counter()
+        trainer.evaluate()  # (iteration 0, before the clock starts)
+        trainer.train()
+        history = trainer.state.log_history
+        return {"iterations": trainer.state.global_step, "seconds": round(clock.ends[-1] - start),
+                "curve": [(round(clock.ends[h["step"] - 1] - start) if h["step"] else 0, round(h["eval_success_rate"], 2))
+                          for h in history if "eval_success_rate" in h]}
     trainer.train()
     logs = [h for h in trainer.state.log_history if "env/success_rate" in h][1:]  # (after the first)
     wall = clock.ends[-1] - clock.ends[0]
@@ -112,11 +158,12 @@ def main() -> None:
     parser.add_argument("--max_staleness", type=int, default=1)
     parser.add_argument("--server_cores", default="1")
     parser.add_argument("--trainer_cores", default="0")
+    parser.add_argument("--learn", type=float, default=0.0, help="seconds of training per mode: the learning curves")
     options = parser.parse_args()
     trainer_cores = parse_cores(options.trainer_cores)
     with tempfile.TemporaryDirectory(prefix="hgpo-async-") as tmp:
         folder = Path(tmp)
-        model = pretrained_or_same(options.model) if options.model else tiny_model(folder)
+        model = pretrained_or_same(options.model) if options.model else tiny_model(folder, options.learn)
         server, url = serve(model, options.server_cores, folder)
         try:
             os.sched_setaffinity(0, trainer_cores)
@@ -127,12 +174,14 @@ def main() -> None:
             server.terminate()
             server.wait(timeout=60)
     print(f"model {options.model or 'tiny keydoor'}; server on cores {options.server_cores}, trainer on "
-          f"{options.trainer_cores}; {options.iterations} iterations of 4 tasks x 8 (the first left out); "
-          f"max_staleness {options.max_staleness}")
+          f"{options.trainer_cores}; max_staleness {options.max_staleness}; " + (
+              f"the quickstart's recipe for {options.learn:g} s a mode (validation success against seconds)"
+              if options.learn else f"{options.iterations} iterations of 4 tasks x 8 (the first left out)"))
     for name, result in results.items():
         print(f"{name:>6}: " + ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
                                          for key, value in result.items()))
-    print(f"speed-up (iterations/s): {results['ahead']['iterations/s'] / results['sync']['iterations/s']:.2f}x")
+    if not options.learn:
+        print(f"speed-up (iterations/s): {results['ahead']['iterations/s'] / results['sync']['iterations/s']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,7 @@ def check_values(args: HGPOConfig) -> None:
         ("rollout_mode", args.rollout_mode != "continuous" or not args.use_vllm or args.streams_from_vllm,
          "'lockstep' or 'auto' with colocated vLLM's vllm_tensor_parallel_size > 1 or vllm_enable_sleep_mode "
          "(every process joins each generate call there; continuous needs an engine of its own, or a server)"),
+        ("vllm_request_timeout", args.vllm_request_timeout > 0, "a number of seconds > 0"),
         ("max_staleness", args.max_staleness >= 0, "an integer >= 0 (0: the synchronous run)"),
         ("async_generation", not args.async_generation or (args.use_vllm and args.vllm_mode == "server"),
          "false unless use_vllm is true with vllm_mode 'server' (generation runs on the server's own resources: "

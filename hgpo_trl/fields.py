@@ -51,6 +51,10 @@ class HGPOFields:
                                      "was generated with and the update that trains it. An iteration is played only "
                                      "once the server holds weights that recent (nothing is dropped, so long "
                                      "episodes are not lost); 0: the synchronous run, exactly."})
+    vllm_request_timeout: float = field(
+        default=600.0, metadata={"help": "vllm_mode 'server': seconds a request may wait for its completion before the "
+                                         "run stops, naming the server (a server that hangs would otherwise hang "
+                                         "the run; one that refuses connections is named after ~6 s of retries)."})
     max_faulty_iterations: int = field(
         default=3, metadata={"help": "Stop (after saving a checkpoint) when this many iterations in a row have more "
                                      "than half their episodes failed by environment faults; 0: never stop."})

@@ -86,6 +86,24 @@ def test_a_failed_rollout_reaches_the_trainer_and_a_stop_ends_one_in_flight():
     assert not ahead._thread.is_alive() and closed == [True]
 
 
+def test_a_failed_weight_push_reaches_the_trainer_where_it_takes_a_rollout_not_played_yet():
+    """The trainer's push to a server that is gone (`push_weights` hands its line to `fail`): the rollouts already
+    played are still taken, the first one missing raises it, and the first failure is the one kept."""
+    trainer = Trainer(max_staleness=1, iterations=4)
+    trainer.ahead.pushed(0)
+    trainer.ahead.start()
+    assert trainer.ahead.take(0) == "rollout 0"
+    while len(trainer.started) < 2:  # (iteration 1 plays with step 0's weights; 2 waits for step 1's)
+        time.sleep(0.005)
+    trainer.ahead.fail(RuntimeError("the vLLM server at http://127.0.0.1:1 did not answer hgpo_load_weights"))
+    trainer.ahead.fail(RuntimeError("a later failure"))
+    assert trainer.ahead.take(1) == "rollout 1"
+    with pytest.raises(RuntimeError, match="did not answer hgpo_load_weights"):
+        trainer.ahead.take(2)
+    trainer.ahead.stop()
+    assert sorted(trainer.started) == [0, 1]
+
+
 @pytest.mark.parametrize(("options", "refusal"), [
     ({"vllm_mode": "colocate"}, "must be false unless use_vllm is true with vllm_mode 'server'"),
     ({"rollout_mode": "auto"}, "with rollout_mode 'continuous'"),
@@ -102,3 +120,5 @@ def test_async_generation_is_refused_in_one_line_where_its_bound_cannot_hold(opt
     assert str(err.value).startswith("HGPOConfig.async_generation must be false unless") and refusal in str(err.value)
     with pytest.raises(ValueError, match=r"^HGPOConfig.max_staleness must be an integer >= 0"):
         HGPOConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, max_staleness=-1)
+    with pytest.raises(ValueError, match=r"^HGPOConfig.vllm_request_timeout must be a number of seconds > 0"):
+        HGPOConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, vllm_request_timeout=0)

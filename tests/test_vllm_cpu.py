@@ -9,9 +9,11 @@ import http.server
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -20,6 +22,8 @@ import pytest
 from hgpo_trl.commands.evaluate import cpu_overrides
 from hgpo_trl.config import HGPOConfig
 from hgpo_trl.rollout import vllm_cpu
+from hgpo_trl.rollout.generation import request_client
+from hgpo_trl.rollout.vllm_stream import ServerStream
 from tests.conftest import once_per_run, unused_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +114,68 @@ def test_a_server_that_died_is_named_in_one_line():
                               "(ConnectionError): is it still running?")
 
 
+@pytest.fixture
+def hung_server():
+    """A real HTTP server on 127.0.0.1 that answers vLLM's /health and /v1/models, and never a completion (a server
+    that hangs: it holds each request until the test ends)."""
+    release = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "tiny"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            release.wait(60)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    release.set()
+    server.shutdown()
+    server.server_close()
+
+
+def one_completion(client) -> tuple[str, float]:
+    """The line a ServerStream on `client` fails with for one prompt, and the seconds it took."""
+    backend = types.SimpleNamespace(repetition_penalty=1.0, top_p=1.0, top_k=0, min_p=None, max_completion_length=4,
+                                    logprobs=0, structured_outputs_regex=None, generation_kwargs={})
+    stream = ServerStream(client, backend, 1.0, lambda text: [1, 2, 3], str, concurrency=1, rollout_seed=0)
+    tick = time.monotonic()
+    stream.submit(0, "a prompt", 0)
+    with pytest.raises(RuntimeError) as err:
+        stream.finished()
+    stream.abort()
+    return str(err.value), time.monotonic() - tick
+
+
+def test_a_server_that_hangs_or_dies_fails_a_request_in_one_line_not_never(hung_server, monkeypatch):
+    """Issue 57: TRL's client waits for an answer forever (a hung server hung the run) and retries a refused
+    connection for a minute; the trainer's requests (request_client) wait vllm_request_timeout seconds, and retry a
+    refused connection for ~6 s."""
+    if importlib.util.find_spec("vllm") is None:  # TRL's client refuses to start without vLLM, which it needs only
+        monkeypatch.setattr("trl.generation.vllm_client.is_vllm_available", lambda: True)  # for NCCL: not used here
+    url = f"http://127.0.0.1:{hung_server.server_port}"
+    backend = types.SimpleNamespace(server_base_url=url, server_timeout=10)
+    trainer = types.SimpleNamespace(vllm_generation=backend, args=types.SimpleNamespace(vllm_request_timeout=1.5))
+    client = request_client(trainer, 3)
+    line, took = one_completion(client)
+    assert line == f"the vLLM server at {url} did not answer a request within 1.5 s (vllm_request_timeout): is it " \
+                   "hung, or overloaded?" and 1.5 <= took < 10
+    assert request_client(trainer, 2) is client and client.session.get_adapter(url).connections == 3
+    hung_server.shutdown()
+    hung_server.server_close()  # (the port refuses connections from now on)
+    line, took = one_completion(client)
+    assert line == f"the vLLM server at {url} did not answer a request (ConnectionError): is it still running?"
+    assert 5 <= took < 20  # (retried after 0, 2 and 4 s)
+
+
 @pytest.mark.parametrize("build", [True, False])
 def test_hgpo_eval_keeps_use_vllm_on_a_cpu_only_with_the_cpu_build(monkeypatch, capsys, tmp_path, build):
     monkeypatch.setattr("hgpo_trl.commands.evaluate.cpu_build", lambda: build)
@@ -158,6 +224,54 @@ def test_colocated_vllm_trains_with_a_weight_sync_after_each_optimizer_step(runs
     # One sync per rollout at a new optimizer step: before the first (step 0), before the second (step 1).
     assert training["syncs"] == [0, 1] and training["global_step"] == 2
     assert training["eval_tasks"] == 2.0
+
+
+@pytest.mark.slow
+def test_generation_beside_training_stopped_by_a_signal_resumes_as_the_synchronous_run(runs):
+    """Issue 57: a SIGINT during a run played ahead (max_staleness 0) stops it at the next iteration's end with a
+    checkpoint, the thread and the rollout it was playing stopped; resumed from there, the thread plays the
+    checkpoint's iteration again: the same steps and weights as the uninterrupted synchronous run, bit for bit."""
+    run, sync = runs["interrupted_ahead"], runs["played_ahead"]["sync"]
+    assert run["signal"] == "SIGINT" and run["global_step"] == 2 and run["checkpoint"] == "checkpoint-2"
+    assert not run["thread_left"] and not run["resumed"]["thread_left"]
+    assert run["resumed"]["steps"] == sync["steps"] and run["resumed"]["weights"] == sync["weights"]
+    assert run["resumed"]["loss"] == sync["loss"]  # (the resumed run's log holds the checkpoint's)
+
+
+@pytest.mark.slow
+def test_generation_beside_training_under_two_processes(runs):
+    """Issue 57 under `accelerate launch` (tests/distributed/train_ahead.py): each process plays its own tasks ahead
+    within the bound, both push after every optimizer step, the model stays one, the evaluation after gathers
+    both processes' episodes, and no thread is left."""
+    assert "failed" not in runs["two_processes_ahead"], runs["two_processes_ahead"].get("failed")
+    ranks = runs["two_processes_ahead"]["ranks"]
+    assert [r["world"] for r in ranks] == [2, 2] and [r["global_step"] for r in ranks] == [3, 3]
+    for it in range(3):
+        assert not set(ranks[0]["rollouts"][it]["tasks"]) & set(ranks[1]["rollouts"][it]["tasks"])
+        assert [r["rollouts"][it]["groups"] for r in ranks] == [2, 2]
+        assert all(set(r["rollouts"][it]["staleness"]) <= {0, 1} for r in ranks)
+    assert ranks[0]["rollouts"][0]["staleness"] == [0]  # (the first iteration waits for the first push)
+    assert ranks[0]["checksum"] == pytest.approx(ranks[1]["checksum"], rel=1e-9) and ranks[0]["logs"] == ranks[1]["logs"]
+    assert ranks[0]["served"] == ["3"] and ranks[0]["eval_tasks"] == ranks[1]["eval_tasks"] == 4.0
+    assert not any(r["thread_left"] for r in ranks)
+
+
+@pytest.mark.slow
+def test_a_server_that_hangs_or_dies_under_generation_beside_training_stops_the_run_with_a_checkpoint(runs):
+    """Issue 57: the server hung (SIGSTOP) as the trainer pushes step 1's weights (vllm_request_timeout 5 s), or
+    killed there (max_staleness 1: the thread may have played the next iteration already): the run stops where
+    every process takes the next rollout it lacks, with one line that names the server and a checkpoint of the
+    last optimizer step, in seconds, the thread stopped."""
+    hung, killed = runs["server_failures"]["hung"], runs["server_failures"]["killed"]
+    url, end = r"the vLLM server at http://127\.0\.0\.1:\d+", r"; a checkpoint was saved in \S+; resume with " \
+        r"--resume_from_checkpoint once the server answers"
+    assert re.fullmatch(rf"the rollouts played ahead failed at iteration 2: {url} did not answer hgpo_load_weights "
+                        rf"within 5 s \(vllm_request_timeout\): is it hung\?{end}", hung["line"]), hung["line"]
+    assert hung["checkpoints"] == ["checkpoint-1"] and hung["global_step"] == 1 and 5 <= hung["seconds"] < 60
+    assert re.fullmatch(rf"the rollouts played ahead failed at iteration [23]: {url} did not answer .* "
+                        rf"\(ConnectionError\): is it still running\?{end}", killed["line"]), killed["line"]
+    assert killed["checkpoints"] == [f"checkpoint-{killed['global_step']}"] and killed["seconds"] < 60
+    assert not hung["thread_left"] and not killed["thread_left"]
 
 
 @pytest.mark.slow

@@ -6,12 +6,12 @@ trains HGPO with colocated vLLM (continuous rollouts), then probes the weight sy
 greedy completions and log-probabilities against the trainer model's, before and after a sync; and the streamed
 requests: seeded samples alone and batched, greedy rollouts lock-step and continuous, and rollouts after one that a
 Ctrl-C interrupted. Then a vLLM server started by hgpo-serve: its answers on the first weights, HGPO trained
-with it as the engine, with the same sync probe, and trained with generation beside training (async_generation). Writes results.json in the folder it is given.
+with it as the engine, with the same sync probe, and trained with generation beside training (async_generation:
+tests/vllm_ahead_runs.py), its stop, resume and the server's failures. Writes results.json in the folder it is given.
 
     python tests/vllm_cpu_runs.py OUT
 """
 
-import hashlib
 import json
 import signal
 import socket
@@ -47,6 +47,7 @@ from hgpo_trl.trainer import HGPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.conftest import keydoor_corpus
+from tests.vllm_ahead_runs import interrupted_and_resumed, played_ahead, server_failures, two_processes_ahead
 
 GAME = {"env_name": "keydoor", "action_mode": "plain", "max_env_steps": 5, "max_completion_length": 4,
         "vllm_max_model_length": 512, "report_to": "none", "bf16": False, "use_cpu": True}
@@ -271,9 +272,9 @@ def training(path: Path, out: Path) -> dict:
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=2))
     syncs, sync = [], generation.sync_weights
 
-    def counted(backend, version):
+    def counted(backend, version, *rest):
         syncs.append(version)
-        sync(backend, version)
+        sync(backend, version, *rest)
 
     generation.sync_weights = counted
     streams = stream_probe(trainer)  # (first: the warm-started weights' greedy games last several steps)
@@ -302,17 +303,12 @@ def serve(path: Path, out: Path) -> tuple[subprocess.Popen, int]:
 def server_training(path: Path, out: Path, port: int) -> dict:
     """Two HGPO iterations with the server as the engine (continuous rollouts, its weights synced through a file
     after each optimizer step; the stream probe before), the weights it reports, then the sync probe."""
-    args = HGPOConfig(output_dir=str(out / "server_run"), per_device_train_batch_size=16, num_generations=4,
-                      tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=2,
-                      logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="server", rollout_mode="continuous",
-                      env_kwargs=REWARDED,
-                      vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=300, **GAME)
-    trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8))
+    trainer = server_trainer(path, out, port, "run", train_iterations=2)
     syncs, sync = [], generation.sync_weights
 
-    def counted(backend, version):
+    def counted(backend, version, *rest):
         syncs.append(version)
-        sync(backend, version)
+        sync(backend, version, *rest)
 
     generation.sync_weights = counted
     streams = stream_probe(trainer)  # (on the first weights, as in training())
@@ -351,39 +347,16 @@ def server_generation(path: Path, port: int) -> dict:
             "gap": largest_gap([c.logprobs for c in completions], completion_logprobs(model, prompt_ids, ids))}
 
 
-def weights_digest(model) -> str:
-    """A digest of every parameter's bytes: equal only for the very same weights."""
-    digest = hashlib.sha256()
-    for name, parameter in sorted(model.named_parameters()):
-        digest.update(name.encode() + parameter.detach().cpu().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def played_ahead(path: Path, out: Path, port: int) -> dict:
-    """Three HGPO iterations with the server (continuous, sampled), synchronous, then played ahead
-    (async_generation) with max_staleness 0 and 1: each iteration's steps as dumped, the trained weights' digest,
-    the staleness and wait logged."""
-    runs = {}
-    for name, ahead in (("sync", {}), ("ahead_0", {"async_generation": True, "max_staleness": 0}),
-                        ("ahead_1", {"async_generation": True, "max_staleness": 1})):
-        folder = out / f"server_{name}"
-        args = HGPOConfig(output_dir=str(folder), per_device_train_batch_size=16, num_generations=4,
-                          tasks_per_device=2, invalid_action="end_episode", learning_rate=1e-2, train_iterations=3,
-                          logging_steps=1, save_strategy="no", use_vllm=True, vllm_mode="server",
-                          rollout_mode="continuous", vllm_server_base_url=f"http://127.0.0.1:{port}",
-                          env_kwargs=REWARDED,
-                          vllm_server_timeout=300, trajectory_dump_every=1, **ahead, **GAME)
-        trainer = HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8))
-        trainer.train()
-        logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
-        dumps = sorted((folder / "trajectories").glob("iter_*.jsonl"))
-        runs[name] = {"steps": [[(r["episode"], r["step"], r["output"], r["action"], r["reward"])
-                                 for r in read_records(dump)] for dump in dumps],
-                      "weights": weights_digest(trainer.model), "loss": [h["loss"] for h in logs],
-                      "staleness_max": [h.get("async/staleness/max") for h in logs],
-                      "rollout_wait": [h.get("time/rollout_wait") for h in logs],
-                      "thread_left": trainer._ahead is not None}
-    return runs
+def server_trainer(path: Path, out: Path, port: int, name: str, **overrides) -> HGPOTrainer:
+    """A trainer of three HGPO iterations on the server (continuous, sampled; every iteration's steps dumped), its
+    output in out/server_`name` (tests/vllm_ahead_runs.py's runs)."""
+    args = HGPOConfig(**{"output_dir": str(out / f"server_{name}"), "per_device_train_batch_size": 16,
+                         "num_generations": 4, "tasks_per_device": 2, "invalid_action": "end_episode",
+                         "learning_rate": 1e-2, "train_iterations": 3, "logging_steps": 1, "save_strategy": "no",
+                         "use_vllm": True, "vllm_mode": "server", "rollout_mode": "continuous",
+                         "vllm_server_base_url": f"http://127.0.0.1:{port}", "env_kwargs": REWARDED,
+                         "vllm_server_timeout": 300, "trajectory_dump_every": 1, **GAME, **overrides})
+    return HGPOTrainer(model=str(path), args=args, train_dataset=make_tasks("keydoor", "train", num_tasks=8))
 
 
 def main(out: Path) -> None:
@@ -399,7 +372,11 @@ def main(out: Path) -> None:
         results = {"evaluations": evaluations(path, out), "training": training(path, out),
                    "server": server_generation(path, port)}
         results["server_training"] = server_training(path, out, port)  # (after: it changes the server's weights)
-        results["played_ahead"] = played_ahead(path, out, port)
+        make_trainer = partial(server_trainer, path, out, port)
+        results["played_ahead"] = played_ahead(make_trainer)
+        results["interrupted_ahead"] = interrupted_and_resumed(make_trainer)
+        results["two_processes_ahead"] = two_processes_ahead(path, out, port)
+        results["server_failures"] = server_failures(make_trainer, server)  # (last: it kills the server)
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -39,6 +39,7 @@ from hgpo_trl.config import HGPOConfig
 from hgpo_trl.envs import make_env, make_tasks
 from hgpo_trl.envs.base import EnvironmentFaults
 from hgpo_trl.evaluation.trajectories import to_html
+from hgpo_trl.rollout.ahead import RolloutsFailed
 from hgpo_trl.runtime.signals import interrupting
 from hgpo_trl.training.reporting import (
     EvaluationBeforeTraining,
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as err:  # the command line, or found while loading the tasks or the model
             print(f"{command_name('train.py')}: configuration error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
-        except EnvironmentFaults as err:  # the environment kept failing: the message says what was saved
+        except (EnvironmentFaults, RolloutsFailed) as err:  # environments, a server failing: the line says what was saved
             print(f"{command_name('train.py')}: {err}", file=sys.stderr)
             raise SystemExit(1) from None
         except KeyboardInterrupt as err:  # outside training, as it started, or a second signal during it

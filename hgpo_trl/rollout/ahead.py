@@ -25,11 +25,16 @@ class RolloutsStopped(Exception):
     """The rollouts ahead were stopped (the run ends): a rollout in flight is abandoned."""
 
 
+class RolloutsFailed(RuntimeError):
+    """The rollouts played ahead failed (the server gone, a request unanswered): the run stopped at an iteration's
+    start, where a checkpoint was saved."""
+
+
 class RolloutsAhead:
     """Plays iterations `first`, `first + 1`, ... `last - 1` in a thread of its own, each as soon as the bound admits
     it: `play(iteration)` returns its rollout. The trainer reports each weight push (`pushed(step)`) and takes the
-    rollouts in order (`take(iteration)`, which waits for it and raises what the thread raised); `stop()` ends the
-    thread, then calls `on_stop` (the thread's environments closed)."""
+    rollouts in order (`take(iteration)`, which waits for it and raises what the thread raised, or what `fail` was
+    given); `stop()` ends the thread, then calls `on_stop` (the thread's environments closed)."""
 
     def __init__(self, play: Callable[[int], Rollout], first: int, last: int, max_staleness: int,
                  on_stop: Callable[[], None] = lambda: None):
@@ -58,6 +63,12 @@ class RolloutsAhead:
         """The engine holds the weights of optimizer step `step` from now on."""
         with self._condition:
             self._version = step
+            self._condition.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The trainer's failure to push its weights: raised by the next `take`, as the thread's own errors are."""
+        with self._condition:
+            self._error = self._error or error
             self._condition.notify_all()
 
     def take(self, iteration: int) -> Rollout:

@@ -19,7 +19,13 @@ from trl.trainer.utils import pad
 from hgpo_trl.rollout.continuous import CompletionStream, PolicyStream, run_continuous
 from hgpo_trl.rollout.lockstep import Completion, Rollout, run_rollout
 from hgpo_trl.rollout.vllm_cpu import sync_weights
-from hgpo_trl.rollout.vllm_stream import ServerStream, VLLMStream, abort_unfinished, sampled_logprobs
+from hgpo_trl.rollout.vllm_stream import (
+    ServerRequests,
+    ServerStream,
+    VLLMStream,
+    abort_unfinished,
+    sampled_logprobs,
+)
 from hgpo_trl.runtime.collective import any_process, process_values
 from hgpo_trl.runtime.progress import progress_bar
 from hgpo_trl.runtime.seeds import integer_seed
@@ -155,13 +161,19 @@ def sampling_config(config: GenerationConfig, temperature: float) -> GenerationC
 
 def push_weights(trainer) -> None:
     """The trainer's weights into its vLLM engine, once per optimizer step (every process: ZeRO-3's gathers are
-    collective), and the rollouts played ahead told (`async_generation`)."""
-    step = trainer.state.global_step
+    collective), and the rollouts played ahead told (`async_generation`), or handed the server's failure."""
+    step, ahead = trainer.state.global_step, getattr(trainer, "_ahead", None)
     if step != trainer._last_loaded_step:  # TRL's own record of the synced step
-        sync_weights(trainer.vllm_generation, step)
+        try:
+            sync_weights(trainer.vllm_generation, step, trainer.args.vllm_request_timeout)
+        except RuntimeError as err:  # (a server's one line)
+            if ahead is None:
+                raise
+            ahead.fail(err)  # raised where every process takes the next rollout: they save a checkpoint and stop
+            return
         trainer._last_loaded_step = step
-    if getattr(trainer, "_ahead", None) is not None:
-        trainer._ahead.pushed(step)
+    if ahead is not None:
+        ahead.pushed(step)
 
 
 def training_rollout_seed(seed: int, rank: int, iteration: int, batch: int = 0) -> int:
@@ -222,24 +234,28 @@ def completion_stream(trainer, policy: ModelPolicy, temperature: float, concurre
     if backend.mode == "colocate":
         yield VLLMStream(backend, temperature, prompt_ids, decode, rollout_seed)
         return
-    stream = ServerStream(request_client(trainer), backend, temperature, prompt_ids, decode, concurrency, rollout_seed)
+    stream = ServerStream(request_client(trainer, concurrency), backend, temperature, prompt_ids, decode, concurrency,
+                          rollout_seed, version=lambda: trainer._last_loaded_step)
     try:
         yield stream
     finally:
         stream.close()
 
 
-def request_client(trainer):
-    """This process's client of the server: TRL's on the main process (TRL gives it alone one), else one made once."""
-    if trainer.accelerator.is_main_process:
-        return trainer.vllm_generation.vllm_client
-    if getattr(trainer, "_request_client", None) is None:
+def request_client(trainer, connections: int):
+    """This process's client for a server's completions, with room for `connections` requests at once: one made
+    once (TRL gives the main process alone one, for its weight syncs), on `ServerRequests` (a timeout on every
+    request, few retries)."""
+    client = getattr(trainer, "_request_client", None)
+    if client is None:
         from trl.generation.vllm_client import VLLMClient
 
         backend = trainer.vllm_generation
         url = backend.server_base_url or f"http://{backend.server_host}:{backend.server_port}"
-        trainer._request_client = VLLMClient(base_url=url, connection_timeout=backend.server_timeout)
-    return trainer._request_client
+        client = trainer._request_client = VLLMClient(base_url=url, connection_timeout=backend.server_timeout)
+    if getattr(client.session.get_adapter(client.base_url), "connections", 0) < connections:
+        client.session.mount(client.base_url, ServerRequests(trainer.args.vllm_request_timeout, connections))
+    return client
 
 
 def trainer_rollout(trainer, envs, tasks: Sequence[Mapping[str, Any]], group_size: int, temperature: float,

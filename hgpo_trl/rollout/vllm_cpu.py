@@ -135,23 +135,34 @@ def reload_into(runner, weights) -> None:
             layer.quant_method.process_weights_after_loading(layer)
 
 
-def sync_weights(backend, version: int) -> None:
+def sync_weights(backend, version: int, timeout: float | None = None) -> None:
     """The trainer's weights at optimizer step `version` into vLLM (`backend`: TRL's VLLMGeneration): TRL's sync on a GPU; on vLLM's CPU
     platform the same tensors (TRL's own iterator: names as vLLM expects, ZeRO-3 / FSDP gathered, LoRA merged),
-    colocated through `reload_into`, to a server through a file (`sync_server_by_file`)."""
+    colocated through `reload_into`, to a server through a file (`sync_server_by_file`, each call to it answered
+    within `timeout` seconds: vllm_request_timeout). To a server, every process waits until it holds them (no request
+    before), also when it failed them: the main process raises that after."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        backend.sync_weights()
-    elif backend.mode == "server":
-        sync_server_by_file(backend, version)
-    else:
-        reload_into(backend.llm.llm_engine.model_executor.driver_worker.model_runner, backend._iter_named_params())
-        backend.llm.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)
-    if backend.mode == "server":
+    if backend.mode != "server":
+        if not current_platform.is_cpu():
+            backend.sync_weights()
+        else:
+            reload_into(backend.llm.llm_engine.model_executor.driver_worker.model_runner, backend._iter_named_params())
+            backend.llm.reset_prefix_cache()  # (cached prompts hold the old weights' keys and values)
+        return
+    failure = None
+    try:
+        if not current_platform.is_cpu():
+            backend.sync_weights()
+        else:
+            sync_server_by_file(backend, version, timeout)
         if backend.accelerator.is_main_process:
-            reset_server_cache(backend.vllm_client)
-        backend.accelerator.wait_for_everyone()  # (no process sends a request before the server has the weights)
+            reset_server_cache(backend.vllm_client, timeout)
+    except RuntimeError as err:  # (the server's one line: no other process is left waiting for this one)
+        failure = err
+    backend.accelerator.wait_for_everyone()
+    if failure is not None:
+        raise failure
 
 
 # A vLLM server on a CPU. TRL syncs a server over NCCL (vLLM's weight-transfer engine), which needs CUDA on both
@@ -189,17 +200,25 @@ def shared_folder(size: int) -> Path:
     return shm if roomy else Path(tempfile.gettempdir())
 
 
-def call_server(client, method: str, *args: str):
-    """`method` of every worker of the server `client` (TRL's VLLMClient) talks to, with string `args`: its results,
-    or a one-line error that says how to start a server that has it."""
+def post_to_server(client, path: str, what: str, timeout: float | None = None, **kwargs):
+    """POST `path` to the server `client` (TRL's VLLMClient) talks to, answered within `timeout` seconds
+    (`RPC_TIMEOUT` by default): its response, or a one-line error naming `what` it was asked."""
     import requests
 
-    url = f"{client.base_url}/collective_rpc"
     try:
-        response = requests.post(url, json={"method": method, "args": list(args)}, timeout=RPC_TIMEOUT)
+        return requests.post(f"{client.base_url}{path}", timeout=timeout or RPC_TIMEOUT, **kwargs)
+    except requests.Timeout:
+        raise RuntimeError(f"the vLLM server at {client.base_url} did not answer {what} within "
+                           f"{timeout or RPC_TIMEOUT:g} s (vllm_request_timeout): is it hung?") from None
     except requests.RequestException as err:
-        raise RuntimeError(f"the vLLM server at {client.base_url} did not answer {method} "
+        raise RuntimeError(f"the vLLM server at {client.base_url} did not answer {what} "
                            f"({type(err).__name__}): is it still running?") from None
+
+
+def call_server(client, method: str, *args: str, timeout: float | None = None):
+    """`method` of every worker of the server `client` (TRL's VLLMClient) talks to, with string `args`: its results,
+    or a one-line error that says how to start a server that has it (or that it did not answer in time)."""
+    response = post_to_server(client, "/collective_rpc", method, timeout, json={"method": method, "args": list(args)})
     if response.status_code == 404:
         raise RuntimeError(f"the vLLM server at {client.base_url} has no /collective_rpc: on a CPU its weight sync "
                            f"needs VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {LOADER}; start it with "
@@ -216,7 +235,7 @@ def check_weight_loader(client, device=None) -> None:
     call_server(client, VERSION_METHOD)
 
 
-def sync_server_by_file(backend, version: int) -> None:
+def sync_server_by_file(backend, version: int, timeout: float | None = None) -> None:
     """The trainer's weights (at optimizer step `version`) into a CPU server: every process walks TRL's iterator (ZeRO-3's gathers are
     collective), the main one writes the tensors to one file, the server loads it, the file is removed."""
     from safetensors.torch import save_file
@@ -231,20 +250,16 @@ def sync_server_by_file(backend, version: int) -> None:
         f"hgpo-weights-{os.getpid()}.safetensors"
     try:
         save_file(weights, str(path))
-        call_server(backend.vllm_client, LOAD_METHOD, str(path), str(version))
+        call_server(backend.vllm_client, LOAD_METHOD, str(path), str(version), timeout=timeout)
     finally:
         path.unlink(missing_ok=True)
 
 
-def reset_server_cache(client) -> None:
-    """Empty the server's prefix cache (cached prompts hold the old weights' keys and values), running requests
-    included: TRL's reset leaves the cache as it is while a request runs (vLLM answers success false), which is
-    whenever rollouts play ahead of the trainer (async_generation); a running request is preempted and its keys
-    and values computed again with the new weights."""
-    import requests
-
-    response = requests.post(f"{client.base_url}/reset_prefix_cache", params={"reset_running_requests": "true"},
-                             timeout=RPC_TIMEOUT)
-    if response.status_code != 200 or not response.json().get("success", False):
-        raise RuntimeError(f"the vLLM server at {client.base_url} did not empty its prefix cache after a weight "
+def reset_server_cache(client, timeout: float | None = None) -> None:
+    """Empty the server's prefix cache (cached prompts hold the old weights' keys and values) where no request runs;
+    while one runs (rollouts played ahead) vLLM leaves it as it is (success false), and the requests' cache salts
+    (`ServerStream`: the weights' version) keep each version's requests to their own cached keys and values."""
+    response = post_to_server(client, "/reset_prefix_cache", "a reset of its prefix cache", timeout)
+    if response.status_code != 200:
+        raise RuntimeError(f"the vLLM server at {client.base_url} failed a reset of its prefix cache after a weight "
                            f"sync (HTTP {response.status_code}: {response.text[-200:]})")

@@ -16,15 +16,23 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
 
 from hgpo_trl.rollout.lockstep import Completion
 
 
+def sampling_settings(backend, temperature: float) -> dict:
+    """The sampling settings TRL's `VLLMGeneration.generate` asks vLLM for, at `temperature`: the arguments its server
+    client and vLLM's SamplingParams share."""
+    return {"n": 1, "repetition_penalty": backend.repetition_penalty, "temperature": temperature,
+            "top_p": backend.top_p, "top_k": backend.top_k, "min_p": backend.min_p or 0.0,
+            "max_tokens": backend.max_completion_length, "logprobs": backend.logprobs}
+
+
 def sampling_kwargs(backend, temperature: float) -> dict:
     """SamplingParams' arguments as TRL's colocated generate builds them, at `temperature`."""
-    kwargs = {"n": 1, "repetition_penalty": backend.repetition_penalty, "temperature": temperature,
-              "top_p": backend.top_p, "top_k": backend.top_k, "min_p": backend.min_p or 0.0,
-              "max_tokens": backend.max_completion_length, "logprobs": backend.logprobs, **backend.generation_kwargs}
+    kwargs = {**sampling_settings(backend, temperature), **backend.generation_kwargs}
     if backend.structured_outputs_regex is not None:
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -105,8 +113,11 @@ class ServerStream:
     `client`, one prompt a call), sent from a thread of a pool so that every waiting prompt is in the server's
     continuous batch; `finished()` waits for the first answer and returns all that have come. The sampling
     settings are TRL's server call's, plus a seed per request drawn as `VLLMStream` draws it. Several trainer
-    processes each send their own requests: no process waits for another. Played ahead of the trainer
-    (`hgpo_trl.rollout.ahead`): each completion records `version()`, the engine's weights when it was asked, and
+    processes each send their own requests: no process waits for another. Each completion records `version()`, the
+    optimizer step of the server's weights when it was asked, and the request carries it as its prefix-cache salt:
+    vLLM shares cached keys and values only between requests of one salt, so no request reuses a prompt's keys and
+    values computed with older weights, while the requests that run across a weight push go on undisturbed (emptying
+    the cache would preempt them and compute them again). Played ahead of the trainer (`hgpo_trl.rollout.ahead`),
     `finished()` raises `RolloutsStopped` once `stopped()`."""
 
     def __init__(self, client, backend, temperature: float, prompt_ids: Callable[[str], list[int]],
@@ -116,9 +127,7 @@ class ServerStream:
 
         self.client, self.prompt_ids, self.decode, self.version, self.stopped = \
             client, prompt_ids, decode, version, stopped
-        self._settings = {"n": 1, "repetition_penalty": backend.repetition_penalty, "temperature": temperature,
-                          "top_p": backend.top_p, "top_k": backend.top_k, "min_p": backend.min_p or 0.0,
-                          "max_tokens": backend.max_completion_length, "logprobs": backend.logprobs,
+        self._settings = {**sampling_settings(backend, temperature),
                           "structured_outputs_regex": backend.structured_outputs_regex}
         self._generation_kwargs = backend.generation_kwargs or {}
         self._rollout_seed = draw_rollout_seed() if rollout_seed is None else rollout_seed
@@ -130,9 +139,14 @@ class ServerStream:
         import requests
 
         try:
+            salt = {} if version is None else {"cache_salt": f"weights-{version}"}
             answer = self.client.generate(prompts=[prompt_ids], **self._settings,
-                                          generation_kwargs={**self._generation_kwargs, "seed": seed})
-        except requests.RequestException as err:  # (after TRL's client's retries)
+                                          generation_kwargs={**self._generation_kwargs, "seed": seed, **salt})
+        except requests.Timeout:
+            raise RuntimeError(f"the vLLM server at {self.client.base_url} did not answer a request within "
+                               f"{self.client.session.get_adapter(self.client.base_url).timeout[1]:g} s "
+                               f"(vllm_request_timeout): is it hung, or overloaded?") from None
+        except requests.RequestException as err:  # (after the retries of `ServerRequests`)
             raise RuntimeError(f"the vLLM server at {self.client.base_url} did not answer a request "
                                f"({type(err).__name__}): is it still running?") from None
         except Exception as err:  # TRL's client: "Request failed: <status>, <the server's answer>"
@@ -171,3 +185,23 @@ class ServerStream:
 
 
 STOP_POLL_SECONDS = 0.5  # how often a stream waiting on a server looks whether its rollouts were stopped
+
+
+class ServerRequests(HTTPAdapter):
+    """requests' transport for a vLLM server's completions: each request answered within `timeout` seconds or failed
+    (requests waits forever by default: a server that hangs would hang the run); a refused connection retried for
+    ~6 s (a server restarting; TRL's client retries for a minute, so a dead server's line came that late), a read
+    never (it would generate the completion twice); `connections` kept open, one per request in flight (TRL's client
+    keeps 64 and warns above)."""
+
+    def __init__(self, timeout: float, connections: int):
+        super().__init__(pool_maxsize=connections, max_retries=Retry(
+            total=CONNECT_RETRIES, connect=CONNECT_RETRIES, read=0, status=0, other=0, backoff_factor=1))
+        self.timeout, self.connections = (CONNECT_SECONDS, timeout), connections
+
+    def send(self, request, timeout=None, **kwargs):
+        return super().send(request, timeout=self.timeout if timeout is None else timeout, **kwargs)
+
+
+CONNECT_RETRIES = 3  # a refused connection is retried after 0, 2 and 4 s (urllib3's backoff, factor 1)
+CONNECT_SECONDS = 10.0  # to open a connection (a host that drops packets would otherwise take minutes)

@@ -15,11 +15,12 @@ import numpy as np
 from transformers import TrainerCallback
 
 from hgpo_trl.envs.pool import make_env_batch
-from hgpo_trl.rollout.ahead import RolloutsAhead
+from hgpo_trl.rollout.ahead import RolloutsAhead, RolloutsFailed
 from hgpo_trl.rollout.continuous import run_continuous
 from hgpo_trl.rollout.generation import ModelPolicy, push_weights, request_client, training_rollout_seed
 from hgpo_trl.rollout.lockstep import Rollout, StepRecord
 from hgpo_trl.rollout.vllm_stream import ServerStream
+from hgpo_trl.runtime.collective import any_process
 
 
 def start_rollouts_ahead(trainer) -> RolloutsAhead:
@@ -27,8 +28,9 @@ def start_rollouts_ahead(trainer) -> RolloutsAhead:
     args, accelerator = trainer.args, trainer.accelerator
     rank, processes = accelerator.process_index, accelerator.num_processes
     backend = trainer.vllm_generation
-    client = request_client(trainer)
-    envs = make_env_batch(trainer.env_factory, args.tasks_per_device * trainer.num_generations, trainer._env_workers,
+    episodes = args.tasks_per_device * trainer.num_generations
+    client = request_client(trainer, episodes)
+    envs = make_env_batch(trainer.env_factory, episodes, trainer._env_workers,
                           step_timeout=args.env_step_timeout, reset_timeout=args.env_reset_timeout)
     policy = ModelPolicy(copy.deepcopy(trainer._tokenizer), None, trainer.chat_template_kwargs)
     decode = policy.tokenizer.decode
@@ -58,10 +60,27 @@ def take_rollout(trainer) -> Rollout:
     step that trains them (`async/staleness/*`), logged."""
     ahead = trainer._ahead or start_rollouts_ahead(trainer)
     waited = ahead.waiting_seconds
-    rollout = ahead.take(trainer._iteration)
+    try:
+        rollout, failure = ahead.take(trainer._iteration), None
+    except Exception as err:  # (the thread's, or a failed weight push: a server gone or hung, a broken environment)
+        rollout, failure = None, err
+    if any_process(trainer.accelerator, failure is not None):  # (every process stops here, or none)
+        stop_at_failed_rollout(trainer, failure)
     trainer._log_gathered("train", {"time/rollout_wait": ahead.waiting_seconds - waited,
                                     **staleness_metrics(rollout.steps, trainer.state.global_step)})
     return rollout
+
+
+def stop_at_failed_rollout(trainer, failure: Exception | None) -> None:
+    """Save a checkpoint (every process: it is collective) that resumes the iteration whose rollout failed, then
+    raise `RolloutsFailed` naming the failure (or "on another process")."""
+    saved = trainer.state.global_step > 0  # (before the first optimizer step there is nothing to keep)
+    if saved:
+        trainer._save_checkpoint(trainer.model, trial=None)
+    where = f"a checkpoint was saved in {trainer.args.output_dir}; " if saved else ""
+    raise RolloutsFailed(f"the rollouts played ahead failed at iteration {trainer._iteration + 1}: "
+                         f"{failure if failure is not None else 'on another process'}; {where}resume with "
+                         f"--resume_from_checkpoint once the server answers") from failure
 
 
 @contextmanager
