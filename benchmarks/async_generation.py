@@ -11,9 +11,10 @@ rollout, played ahead `time/rollout_wait`), the server's busy fraction (the roll
 time), the staleness of the steps trained (optimizer steps, per iteration's mean and largest), and the speed-up.
 Both modes play the same tasks with the same request seeds; the server is started once and not timed.
 
-With `--learn SECONDS`, the learning curves instead: each mode trains the quickstart's recipe (configs/
-quickstart.yaml: the tiny model, 8 tasks x 8, HGPO) for SECONDS of wall time, greedy validation on the same 64
-held-out tasks every 5 iterations (its time counted), and prints validation success against wall time.
+With `--learn SECONDS`, the learning curves instead: each mode trains a config's recipe for SECONDS of wall time
+(configs/quickstart.yaml's on the tiny model; with --model, configs/smollm2_keydoor.yaml's, warm start included),
+greedy validation on the same 64 held-out tasks every 5 iterations (its time counted), and prints validation
+success against wall time.
 (A real model by name is converted once by the project's venv: `.venv/bin/python -c "from hgpo_trl.models.pretrained
 import pretrained_folder; pretrained_folder('smollm2-135m-instruct')"`.)
 """
@@ -71,6 +72,21 @@ def tiny_model(folder: Path, quickstart: bool) -> str:
     return str(save_tiny(model, tokenizer, folder / "tiny"))
 
 
+def warm_real_model(name: str, folder: Path) -> str:
+    """A real model by name, warm-started as configs/smollm2_keydoor.yaml does (16 steps of 16, lr 1e-4), saved."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = pretrained_or_same(name)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(source), AutoTokenizer.from_pretrained(source)
+    env_kwargs = {"key_reward": 3.0}
+    warm_start(model, tokenizer, lambda: make_env("keydoor", max_steps=6, **env_kwargs),
+               list(make_tasks("keydoor", "train", num_tasks=256, **TASK_KWARGS)), steps=16, max_steps=6,
+               batch_size=16, learning_rate=1e-4, use_cpu=True)
+    model.save_pretrained(folder / "warm")
+    tokenizer.save_pretrained(folder / "warm")
+    return str(folder / "warm")
+
+
 def serve(model: str, cores: str, folder: Path) -> tuple[subprocess.Popen, str]:
     """hgpo-serve for `model` on `cores`, once it answers (or the end of its log, if it stopped)."""
     import requests
@@ -116,12 +132,16 @@ def settings(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
                 "max_completion_length": 8, "temperature": 1.5, "tasks_per_device": 4, "num_generations": 8,
                 "per_device_train_batch_size": 16, "train_forced_steps": False, "learning_rate": 3e-5, "beta": 0.0,
                 "train_iterations": options.iterations}
-    return {**common, "env_kwargs": {"coin_reward": 0.0, "key_reward": 3.0}, "tasks_per_device": 8,
-            "num_generations": 8, "max_env_steps": 8, "history_length": 2, "admissible_only": True,
-            "invalid_action": "end_episode", "max_completion_length": 6, "temperature": 1.5, "eval_temperature": 0.0,
-            "estimator": "hgpo", "gamma": 0.95, "hierarchy_depth": 2, "per_device_train_batch_size": 128,
-            "learning_rate": 5e-4, "lr_scheduler_type": "constant", "beta": 0.2, "gradient_checkpointing": False,
-            "train_iterations": 1000, "eval_strategy": "steps", "eval_steps": 5}
+    recipe = {"history_length": 2, "admissible_only": True, "invalid_action": "end_episode", "temperature": 1.5,
+              "eval_temperature": 0.0, "estimator": "hgpo", "gamma": 0.95, "hierarchy_depth": 2,
+              "lr_scheduler_type": "constant", "beta": 0.2, "train_iterations": 1000, "eval_strategy": "steps"}
+    if options.model:  # configs/smollm2_keydoor.yaml's
+        return {**common, **recipe, "env_kwargs": {"key_reward": 3.0}, "tasks_per_device": 4, "num_generations": 8,
+                "max_env_steps": 6, "max_completion_length": 8, "per_device_train_batch_size": 16,
+                "train_forced_steps": False, "learning_rate": 3e-5, "eval_steps": 5}
+    return {**common, **recipe, "env_kwargs": {"coin_reward": 0.0, "key_reward": 3.0}, "tasks_per_device": 8,
+            "num_generations": 8, "max_env_steps": 8, "max_completion_length": 6, "per_device_train_batch_size": 128,
+            "learning_rate": 5e-4, "gradient_checkpointing": False, "eval_steps": 5}  # configs/quickstart.yaml's
 
 
 def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
@@ -163,7 +183,10 @@ def main() -> None:
     trainer_cores = parse_cores(options.trainer_cores)
     with tempfile.TemporaryDirectory(prefix="hgpo-async-") as tmp:
         folder = Path(tmp)
-        model = pretrained_or_same(options.model) if options.model else tiny_model(folder, options.learn)
+        if options.model:
+            model = warm_real_model(options.model, folder) if options.learn else pretrained_or_same(options.model)
+        else:
+            model = tiny_model(folder, bool(options.learn))
         server, url = serve(model, options.server_cores, folder)
         try:
             os.sched_setaffinity(0, trainer_cores)
@@ -175,7 +198,8 @@ def main() -> None:
             server.wait(timeout=60)
     print(f"model {options.model or 'tiny keydoor'}; server on cores {options.server_cores}, trainer on "
           f"{options.trainer_cores}; max_staleness {options.max_staleness}; " + (
-              f"the quickstart's recipe for {options.learn:g} s a mode (validation success against seconds)"
+              f"the {'smollm2_keydoor' if options.model else 'quickstart'} recipe for {options.learn:g} s a mode "
+              "(validation success against seconds)"
               if options.learn else f"{options.iterations} iterations of 4 tasks x 8 (the first left out)"))
     for name, result in results.items():
         print(f"{name:>6}: " + ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
