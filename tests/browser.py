@@ -35,7 +35,10 @@ class Browser:
             [BINARY, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", "--no-first-run",
              f"--user-data-dir={profile}", f"--window-size={width},{height}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            close_fds=False, preexec_fn=as_fds_3_and_4)  # (every other descriptor of ours closes at exec)
+            close_fds=False, preexec_fn=as_fds_3_and_4,  # (every other descriptor of ours closes at exec)
+            # Its caches in the profile: on a machine where it never ran, GLib's dconf creates ~/.cache/dconf (the
+            # tests' isolation check failed the complete suite's first run on a new machine there).
+            env={**os.environ, "XDG_CACHE_HOME": str(profile / "cache"), "XDG_CONFIG_HOME": str(profile / "config")})
         for fd in (commands_read, events_write, *high):
             os.close(fd)
         self._buffer = b""
