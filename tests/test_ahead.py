@@ -86,20 +86,21 @@ def test_a_failed_rollout_reaches_the_trainer_and_a_stop_ends_one_in_flight():
     assert not ahead._thread.is_alive() and closed == [True]
 
 
-def test_a_failed_weight_push_reaches_the_trainer_where_it_takes_a_rollout_not_played_yet():
-    """The trainer's push to a server that is gone (`push_weights` hands its line to `fail`): the rollouts already
-    played are still taken, the first one missing raises it, and the first failure is the one kept."""
+def test_a_failed_weight_push_is_raised_by_the_next_take_even_where_that_rollout_is_ready():
+    """The trainer's push to a server that is gone (`push_weights` hands its line to `push_failed`): the next take
+    raises it, the first failure kept, even where the thread had played that iteration (training it would push to
+    the same server again)."""
     trainer = Trainer(max_staleness=1, iterations=4)
     trainer.ahead.pushed(0)
     trainer.ahead.start()
     assert trainer.ahead.take(0) == "rollout 0"
-    while len(trainer.started) < 2:  # (iteration 1 plays with step 0's weights; 2 waits for step 1's)
+    while 1 not in trainer.ahead._ready:  # (iteration 1 plays with step 0's weights; 2 waits for step 1's)
         time.sleep(0.005)
-    trainer.ahead.fail(RuntimeError("the vLLM server at http://127.0.0.1:1 did not answer hgpo_load_weights"))
-    trainer.ahead.fail(RuntimeError("a later failure"))
-    assert trainer.ahead.take(1) == "rollout 1"
-    with pytest.raises(RuntimeError, match="did not answer hgpo_load_weights"):
-        trainer.ahead.take(2)
+    trainer.ahead.push_failed(RuntimeError("the vLLM server at http://127.0.0.1:1 did not answer hgpo_load_weights"))
+    trainer.ahead.push_failed(RuntimeError("a later failure"))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="did not answer hgpo_load_weights"):
+            trainer.ahead.take(1)
     trainer.ahead.stop()
     assert sorted(trainer.started) == [0, 1]
 

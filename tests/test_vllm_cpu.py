@@ -259,19 +259,18 @@ def test_generation_beside_training_under_two_processes(runs):
 @pytest.mark.slow
 def test_a_server_that_hangs_or_dies_under_generation_beside_training_stops_the_run_with_a_checkpoint(runs):
     """Issue 57: the server hung (SIGSTOP) as the trainer pushes step 1's weights (vllm_request_timeout 5 s), or
-    killed there (max_staleness 1: the thread may have played the next iteration already): the run stops where
-    every process takes the next rollout it lacks, with one line that names the server and a checkpoint of the
-    last optimizer step, in seconds, the thread stopped."""
+    killed there (max_staleness 1: the thread may have played the next iteration already): the run saves a
+    checkpoint of that step and stops with one line that names the server, in seconds, the thread stopped."""
     hung, killed = runs["server_failures"]["hung"], runs["server_failures"]["killed"]
-    url, end = r"the vLLM server at http://127\.0\.0\.1:\d+", r"; a checkpoint was saved in \S+; resume with " \
-        r"--resume_from_checkpoint once the server answers"
-    assert re.fullmatch(rf"the rollouts played ahead failed at iteration 2: {url} did not answer hgpo_load_weights "
-                        rf"within 5 s \(vllm_request_timeout\): is it hung\?{end}", hung["line"]), hung["line"]
-    assert hung["checkpoints"] == ["checkpoint-1"] and hung["global_step"] == 1 and 5 <= hung["seconds"] < 60
-    assert re.fullmatch(rf"the rollouts played ahead failed at iteration [23]: {url} did not answer .* "
-                        rf"\(ConnectionError\): is it still running\?{end}", killed["line"]), killed["line"]
-    assert killed["checkpoints"] == [f"checkpoint-{killed['global_step']}"] and killed["seconds"] < 60
-    assert not hung["thread_left"] and not killed["thread_left"]
+    start, url = "generation beside training stopped before iteration 2: ", r"the vLLM server at http://127\.0\.0\.1:\d+"
+    end = r"; a checkpoint was saved in \S+; resume with --resume_from_checkpoint once the server answers"
+    assert re.fullmatch(rf"{start}{url} did not answer hgpo_load_weights within 5 s \(vllm_request_timeout\): is it "
+                        rf"hung\?{end}", hung["line"]), hung["line"]
+    assert re.fullmatch(rf"{start}{url} did not answer hgpo_load_weights \(ConnectionError\): is it still "
+                        rf"running\?{end}", killed["line"]), killed["line"]
+    for run in (hung, killed):
+        assert run["checkpoints"] == ["checkpoint-1"] and run["global_step"] == 1 and not run["thread_left"]
+    assert 5 <= hung["seconds"] < 60 and killed["seconds"] < 30
 
 
 @pytest.mark.slow

@@ -33,15 +33,16 @@ class RolloutsFailed(RuntimeError):
 class RolloutsAhead:
     """Plays iterations `first`, `first + 1`, ... `last - 1` in a thread of its own, each as soon as the bound admits
     it: `play(iteration)` returns its rollout. The trainer reports each weight push (`pushed(step)`) and takes the
-    rollouts in order (`take(iteration)`, which waits for it and raises what the thread raised, or what `fail` was
-    given); `stop()` ends the thread, then calls `on_stop` (the thread's environments closed)."""
+    rollouts in order (`take(iteration)`, which waits for it and raises what the thread raised, or a push's failure:
+    `push_failed`); `stop()` ends the thread, then calls `on_stop` (the thread's environments closed)."""
 
     def __init__(self, play: Callable[[int], Rollout], first: int, last: int, max_staleness: int,
                  on_stop: Callable[[], None] = lambda: None):
         self._play, self._next, self._last, self._bound, self._on_stop = play, first, last, max_staleness, on_stop
         self._version = -1  # the optimizer step of the weights the engine holds; -1 before the first push
         self._ready: dict[int, Rollout] = {}
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the thread's
+        self._push_error: BaseException | None = None  # the trainer's push's: the engine may hold no recent weights
         self._stopping = False
         self._condition = threading.Condition()
         self.waiting_seconds = 0.0  # the trainer's, in take()
@@ -65,18 +66,26 @@ class RolloutsAhead:
             self._version = step
             self._condition.notify_all()
 
-    def fail(self, error: BaseException) -> None:
-        """The trainer's failure to push its weights: raised by the next `take`, as the thread's own errors are."""
+    def push_failed(self, error: BaseException) -> None:
+        """The trainer's push of its weights failed: the next `take` raises it (the first one), even where that
+        iteration was played already (the next push would wait on the same engine)."""
         with self._condition:
-            self._error = self._error or error
+            self._push_error = self._push_error or error
             self._condition.notify_all()
 
+    @property
+    def push_failure(self) -> BaseException | None:
+        return self._push_error
+
     def take(self, iteration: int) -> Rollout:
-        """Iteration `iteration`'s rollout, once played."""
+        """Iteration `iteration`'s rollout, once played (or the push's failure, or the thread's)."""
         tick = time.perf_counter()
         with self._condition:
-            self._condition.wait_for(lambda: iteration in self._ready or self._error is not None)
+            self._condition.wait_for(lambda: self._push_error is not None or iteration in self._ready
+                                     or self._error is not None)
             self.waiting_seconds += time.perf_counter() - tick
+            if self._push_error is not None:
+                raise self._push_error
             if iteration not in self._ready:
                 raise self._error
             return self._ready.pop(iteration)

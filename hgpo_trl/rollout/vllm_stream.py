@@ -142,7 +142,7 @@ class ServerStream:
             salt = {} if version is None else {"cache_salt": f"weights-{version}"}
             answer = self.client.generate(prompts=[prompt_ids], **self._settings,
                                           generation_kwargs={**self._generation_kwargs, "seed": seed, **salt})
-        except requests.Timeout:
+        except requests.ReadTimeout:
             raise RuntimeError(f"the vLLM server at {self.client.base_url} did not answer a request within "
                                f"{self.client.session.get_adapter(self.client.base_url).timeout[1]:g} s "
                                f"(vllm_request_timeout): is it hung, or overloaded?") from None

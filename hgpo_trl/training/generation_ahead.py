@@ -29,7 +29,7 @@ def start_rollouts_ahead(trainer) -> RolloutsAhead:
     rank, processes = accelerator.process_index, accelerator.num_processes
     backend = trainer.vllm_generation
     episodes = args.tasks_per_device * trainer.num_generations
-    client = request_client(trainer, episodes)
+    client = request_client(trainer, 2 * episodes)  # (the thread's requests and an evaluation's, at once)
     envs = make_env_batch(trainer.env_factory, episodes, trainer._env_workers,
                           step_timeout=args.env_step_timeout, reset_timeout=args.env_reset_timeout)
     policy = ModelPolicy(copy.deepcopy(trainer._tokenizer), None, trainer.chat_template_kwargs)
@@ -77,16 +77,22 @@ def stop_at_failed_rollout(trainer, failure: Exception | None) -> None:
     saved = trainer.state.global_step > 0  # (before the first optimizer step there is nothing to keep)
     if saved:
         trainer._save_checkpoint(trainer.model, trial=None)
+    raise RolloutsFailed(failure_line(trainer, failure, saved)) from failure
+
+
+def failure_line(trainer, failure: Exception | None, saved: bool) -> str:
     where = f"a checkpoint was saved in {trainer.args.output_dir}; " if saved else ""
-    raise RolloutsFailed(f"the rollouts played ahead failed at iteration {trainer._iteration + 1}: "
-                         f"{failure if failure is not None else 'on another process'}; {where}resume with "
-                         f"--resume_from_checkpoint once the server answers") from failure
+    return (f"generation beside training stopped before iteration {trainer.completed_iterations + 1}: "
+            f"{failure if failure is not None else 'it failed on another process'}; {where}resume with "
+            "--resume_from_checkpoint once the server answers")
 
 
 @contextmanager
 def rollouts_ahead_stopped(trainer) -> Iterator[None]:
     """Around a run: at its end (its last iteration, a stop, an error) the thread is stopped and what it played ahead
-    dropped."""
+    dropped; a run that a failed weight push stopped (`PushWeights`: the trainer saved its checkpoint) raises
+    `RolloutsFailed` then."""
+    ahead = None
     try:
         yield
     finally:
@@ -94,17 +100,23 @@ def rollouts_ahead_stopped(trainer) -> Iterator[None]:
             trainer._ahead, ahead = None, trainer._ahead
             trainer.remove_callback(PushWeights)
             ahead.stop()
+    if ahead is not None and ahead.push_failure is not None:
+        raise RolloutsFailed(failure_line(trainer, ahead.push_failure, saved=True)) from ahead.push_failure
 
 
 class PushWeights(TrainerCallback):
     """After each optimizer step, the trainer's weights to the server (every process: the gathers are collective),
-    while rollouts are played ahead."""
+    while rollouts are played ahead. Where the push failed (on every process alike: `sync_weights`), the run saves
+    a checkpoint there and stops, without the evaluation (it would play on that server)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
         push_weights(self.trainer)
+        if self.trainer._ahead is not None and self.trainer._ahead.push_failure is not None:
+            control.should_evaluate = False
+            control.should_save = control.should_training_stop = True
 
 
 def staleness_metrics(steps: list[StepRecord], step: int) -> dict[str, float]:
