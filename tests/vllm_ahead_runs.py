@@ -6,11 +6,11 @@ resumed from the checkpoint the stop saved; two processes played ahead (`acceler
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 from hgpo_trl.evaluation.trajectories import read_records
 from hgpo_trl.rollout.ahead import RolloutsFailed
 from hgpo_trl.trainer import HGPOTrainer
+from tests.conftest import unused_port
 
 # make_trainer(name, **config overrides): a trainer of 3 iterations on the server, its output in a folder `name`.
 MakeTrainer = Callable[..., HGPOTrainer]
@@ -107,8 +108,11 @@ def server_failures(make_trainer: MakeTrainer, server: subprocess.Popen) -> dict
     (its engine's processes too) at the end of step 1 of another run: each stops with one line and a checkpoint."""
     import psutil
 
-    hung = failed_run(make_trainer, "hung", 1, lambda: os.kill(server.pid, signal.SIGSTOP), vllm_request_timeout=5.0)
-    os.kill(server.pid, signal.SIGCONT)
+    try:
+        hung = failed_run(make_trainer, "hung", 1, lambda: os.kill(server.pid, signal.SIGSTOP),
+                          vllm_request_timeout=5.0)
+    finally:  # (woken however the run ended: the runs after it need the server)
+        os.kill(server.pid, signal.SIGCONT)
     engine = psutil.Process(server.pid).children(recursive=True)
 
     def kill() -> None:
@@ -124,17 +128,20 @@ def two_processes_ahead(path: Path, out: Path, port: int) -> dict:
     wrote, or the end of the launch's output where it failed."""
     folder = out / "two_processes"
     folder.mkdir()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        rendezvous = probe.getsockname()[1]
     # (vLLM set this process's RANK, WORLD_SIZE and MASTER_* for its own torch.distributed: not the launch's)
     env = {key: value for key, value in os.environ.items()
            if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/cpu_2proc.yaml",
-               "--main_process_port", str(rendezvous), "tests/distributed/train_ahead.py", str(folder),
+               "--main_process_port", str(unused_port()), "tests/distributed/train_ahead.py", str(folder),
                f"http://127.0.0.1:{port}", str(path)]
-    done = subprocess.run(command, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                          timeout=420)
-    if done.returncode != 0:
-        return {"failed": (done.stdout[-2000:] + done.stderr[-4000:])}
+    # A session of its own: however the launch ends (a timeout too), none of its processes is left behind.
+    launch = subprocess.Popen(command, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = launch.communicate(timeout=420)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launch.pid, signal.SIGKILL)
+    if launch.returncode != 0:
+        return {"failed": (stdout[-2000:] + stderr[-4000:])}
     return {"ranks": [json.loads((folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]}
