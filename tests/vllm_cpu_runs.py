@@ -290,14 +290,15 @@ def training(path: Path, out: Path) -> dict:
             "eval_tasks": evaluated["eval_tasks"], "probe": probe, "streams": streams, "interruptions": interruptions}
 
 
-def serve(path: Path, out: Path) -> tuple[subprocess.Popen, int]:
-    """A vLLM server for `path` on 127.0.0.1 through hgpo-serve (its CPU weight sync included), in float32."""
+def serve(path: Path, out: Path, dtype: str = EVAL_DTYPE) -> tuple[subprocess.Popen, int]:
+    """A vLLM server for `path` on 127.0.0.1 through hgpo-serve (its CPU weight sync included), in `dtype`."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "hgpo_trl.commands.serve", "--model", str(path), "--port", str(port),
-               "--dtype", EVAL_DTYPE, "--max_model_len", "512", "--enforce-eager"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=(out / "server.log").open("w")), port
+               "--dtype", dtype, "--max_model_len", "512", "--enforce-eager"]
+    log = (out / f"server_{dtype}.log").open("w")
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log), port
 
 
 def server_training(path: Path, out: Path, port: int) -> dict:
@@ -320,7 +321,16 @@ def server_training(path: Path, out: Path, port: int) -> dict:
     return {"syncs": syncs, "global_step": trainer.state.global_step, "served_before_probe": served,
             "served_after_probe": call_server(client, VERSION_METHOD), "probe": probe, "streams": streams,
             "continuous": trainer.args.plays_continuously(trainer._env_workers),
-            "iterations": len([h for h in trainer.state.log_history if "env/success_rate" in h])}
+            "iterations": len([h for h in trainer.state.log_history if "env/success_rate" in h]),
+            "push_seconds": [h["time/weight_push"] for h in trainer.state.log_history if "time/weight_push" in h]}
+
+
+def bfloat16_server_training(path: Path, out: Path, port: int) -> dict:
+    """One HGPO iteration with a bfloat16 server (`hgpo-serve --dtype bfloat16`, the fast one on a CPU with bfloat16
+    units), then the sync probe: the trainer's float32 weights pushed into its bfloat16 layers."""
+    trainer = server_trainer(path, out, port, "bf16_run", train_iterations=1)
+    trainer.train()
+    return {"probe": sync_probe(trainer), "global_step": trainer.state.global_step}
 
 
 def server_generation(path: Path, port: int) -> dict:
@@ -367,19 +377,23 @@ def main(out: Path) -> None:
                list(make_tasks("keydoor", "train", num_tasks=8)), steps=30, max_steps=5, batch_size=16,
                learning_rate=3e-3, use_cpu=True)
     path = save_tiny(model, tokenizer, out / "tiny")
-    server, port = serve(path, out)  # (it starts while the rest runs)
+    server, port = serve(path, out)  # (they start while the rest runs)
+    bfloat16_server, bfloat16_port = serve(path, out, "bfloat16")
     try:
         results = {"evaluations": evaluations(path, out), "training": training(path, out),
                    "server": server_generation(path, port)}
         results["server_training"] = server_training(path, out, port)  # (after: it changes the server's weights)
+        results["bfloat16_server"] = bfloat16_server_training(path, out, bfloat16_port)
+        bfloat16_server.terminate()
         make_trainer = partial(server_trainer, path, out, port)
         results["played_ahead"] = played_ahead(make_trainer)
         results["interrupted_ahead"] = interrupted_and_resumed(make_trainer)
         results["two_processes_ahead"] = two_processes_ahead(path, out, port)
         results["server_failures"] = server_failures(make_trainer, server)  # (last: it kills the server)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        for running in (server, bfloat16_server):
+            running.terminate()
+            running.wait(timeout=60)
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 

@@ -6,6 +6,7 @@ trainer's backend (vLLM, or its own model with ZeRO-3 / FSDP weights gathered) i
 import copy
 import dataclasses
 import re
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -161,9 +162,11 @@ def sampling_config(config: GenerationConfig, temperature: float) -> GenerationC
 
 def push_weights(trainer) -> None:
     """The trainer's weights into its vLLM engine, once per optimizer step (every process: ZeRO-3's gathers are
-    collective), and the rollouts played ahead told (`async_generation`), or handed the server's failure."""
+    collective), its seconds logged (`time/weight_push`, this process's), and the rollouts played ahead told
+    (`async_generation`), or handed the server's failure."""
     step, ahead = trainer.state.global_step, getattr(trainer, "_ahead", None)
     if step != trainer._last_loaded_step:  # TRL's own record of the synced step
+        tick = time.perf_counter()
         try:
             sync_weights(trainer.vllm_generation, step, trainer.args.vllm_request_timeout)
         except RuntimeError as err:  # (a server's one line)
@@ -172,6 +175,7 @@ def push_weights(trainer) -> None:
             ahead.push_failed(err)  # raised where every process takes the next rollout: a checkpoint, the stop
             return
         trainer._last_loaded_step = step
+        trainer._metrics["train"]["time/weight_push"].append(time.perf_counter() - tick)
     if ahead is not None:
         ahead.pushed(step)
 
