@@ -98,3 +98,24 @@ def test_hgpo_eval_generates_with_vllm_and_a_seed_repeats(tmp_path, model_path):
         reports.append(json.loads((tmp_path / name / "evaluation.json").read_text()))
     assert reports[0]["backend"] == "vllm" and reports[0]["results"][0]["tasks"] == 4
     assert reports[0]["results"] == reports[1]["results"]
+
+
+def test_generation_beside_training_with_hgpo_serve_and_trls_nccl_push(tmp_path, model_path):
+    """async_generation on a GPU (issue 57): hgpo-serve (vLLM's server with its NCCL weight transfer) plays the
+    coming iterations while the trainer trains, TRL's NCCL push after each optimizer step; no step trained more
+    than max_staleness steps after the weights that generated it, each push timed, the evaluation after."""
+    port, group_port = _free_port(), _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "hgpo_trl.commands.serve", "--model", model_path, "--port",
+                               str(port), "--max_model_len", "512", "--gpu-memory-utilization", "0.2"],
+                              env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"}, start_new_session=True)
+    try:
+        args = config(tmp_path, vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}",
+                      vllm_group_port=group_port, vllm_server_timeout=300, rollout_mode="continuous",
+                      async_generation=True, max_staleness=1)
+        trainer = train(model_path, args)
+        logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
+        assert all(h["async/staleness/max"] <= 1 for h in logs)
+        assert all(h["time/weight_push"] > 0 for h in logs)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
