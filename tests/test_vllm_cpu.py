@@ -364,6 +364,7 @@ def test_a_bfloat16_server_holds_the_trainers_float32_weights_after_a_push(runs)
     """`hgpo-serve --dtype bfloat16` (3x float32's prefill on a CPU with bfloat16 units: docs/results.md): the pushed
     float32 weights are cast into its layers, the tied LM head packed again, so after a push its log-probabilities
     are the trainer's within bfloat16's rounding, and before it those of the weights one optimizer step older."""
+    assert "error" not in runs["bfloat16_server"], runs["bfloat16_server"]
     probe = runs["bfloat16_server"]["probe"]
     assert runs["bfloat16_server"]["global_step"] == 1 and probe["dtype"] == "torch.bfloat16"
     assert FLOAT32_GAP < probe["synced_gap"] <= BFLOAT16_GAP < probe["stale_gap"]

@@ -383,7 +383,10 @@ def main(out: Path) -> None:
         results = {"evaluations": evaluations(path, out), "training": training(path, out),
                    "server": server_generation(path, port)}
         results["server_training"] = server_training(path, out, port)  # (after: it changes the server's weights)
-        results["bfloat16_server"] = bfloat16_server_training(path, out, bfloat16_port)
+        try:  # (a failure here fails its own test alone)
+            results["bfloat16_server"] = bfloat16_server_training(path, out, bfloat16_port)
+        except Exception as err:
+            results["bfloat16_server"] = {"error": f"{type(err).__name__}: {err}"[-2000:]}
         bfloat16_server.terminate()
         make_trainer = partial(server_trainer, path, out, port)
         results["played_ahead"] = played_ahead(make_trainer)
@@ -393,7 +396,11 @@ def main(out: Path) -> None:
     finally:
         for running in (server, bfloat16_server):
             running.terminate()
-            running.wait(timeout=60)
+        for running in (server, bfloat16_server):
+            try:
+                running.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                running.kill()
     (out / "results.json").write_text(json.dumps(results, indent=1))
 
 

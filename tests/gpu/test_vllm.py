@@ -5,6 +5,7 @@ Skips without CUDA or without the `vllm` extra. Run on a GPU machine with:
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def train(path, args):
                           eval_dataset=make_tasks("keydoor", "valid", num_tasks=2))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
-    assert len(logs) == 2 and all(h["steps/collected"] > 0 for h in logs)
+    assert len(logs) == args.train_iterations and all(h["steps/collected"] > 0 for h in logs)
     assert trainer.evaluate()["eval_tasks"] == 2.0
     return trainer
 
@@ -111,11 +112,14 @@ def test_generation_beside_training_with_hgpo_serve_and_trls_nccl_push(tmp_path,
     try:
         args = config(tmp_path, vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}",
                       vllm_group_port=group_port, vllm_server_timeout=300, rollout_mode="continuous",
-                      async_generation=True, max_staleness=1)
+                      async_generation=True, max_staleness=1, train_iterations=4)
         trainer = train(model_path, args)
         logs = [h for h in trainer.state.log_history if "env/success_rate" in h]
-        assert all(h["async/staleness/max"] <= 1 for h in logs)
+        assert all(h["async/staleness/max"] <= 1 for h in logs)  # (unbound, iteration 3 could play on step 0's weights)
         assert all(h["time/weight_push"] > 0 for h in logs)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
