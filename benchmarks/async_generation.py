@@ -3,12 +3,13 @@
 tiny keydoor model (warm-started, built here) or a real model by name.
 
     .venv/vllm-cpu/bin/python benchmarks/async_generation.py [--model smollm2-135m-instruct] [--iterations 8]
-        [--server_cores 1] [--trainer_cores 0] [--max_staleness 1] [--learn SECONDS]
+        [--server_cores 1] [--trainer_cores 0] [--server_dtype float32] [--max_staleness 1] [--learn SECONDS]
 
 Per mode it prints the iterations and steps per second over the iterations after the first (its start-up, the
 first weight push, is left out), the trainer's idle fraction (waiting for a rollout: synchronously the whole
 rollout, played ahead `time/rollout_wait`), the server's busy fraction (the rollouts' own seconds over the wall
-time), the staleness of the steps trained (optimizer steps, per iteration's mean and largest), and the speed-up.
+time), a rollout's and a weight push's seconds (the trainer's `time/weight_push`: writing the file and the
+server's load), the staleness of the steps trained (optimizer steps, per iteration's mean and largest), and the speed-up.
 Both modes play the same tasks with the same request seeds; the server is started once and not timed.
 
 With `--learn SECONDS`, the learning curves instead: each mode trains a config's recipe for SECONDS of wall time
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -87,8 +89,8 @@ def warm_real_model(name: str, folder: Path) -> str:
     return str(folder / "warm")
 
 
-def serve(model: str, cores: str, folder: Path) -> tuple[subprocess.Popen, str]:
-    """hgpo-serve for `model` on `cores`, once it answers (or the end of its log, if it stopped)."""
+def serve(model: str, cores: str, dtype: str, folder: Path) -> tuple[subprocess.Popen, str]:
+    """hgpo-serve for `model` on `cores` in `dtype`, once it answers (or the end of its log, if it stopped)."""
     import requests
 
     with socket.socket() as probe:
@@ -96,7 +98,8 @@ def serve(model: str, cores: str, folder: Path) -> tuple[subprocess.Popen, str]:
         port = probe.getsockname()[1]
     log = folder / "server.log"
     server = subprocess.Popen([sys.executable, "-m", "hgpo_trl.commands.serve", "--model", model, "--port", str(port),
-                               "--cores", cores, "--enforce-eager"], stdout=subprocess.DEVNULL, stderr=log.open("w"))
+                               "--cores", cores, "--dtype", dtype, "--enforce-eager"], stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                              start_new_session=True)  # (its engine's processes killed with it: os.killpg)
     url = f"http://127.0.0.1:{port}"
     while True:
         if server.poll() is not None:
@@ -157,7 +160,9 @@ def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
         trainer.evaluate()  # (iteration 0, before the clock starts)
         trainer.train()
         history = trainer.state.log_history
+        pushes = [h["time/weight_push"] for h in history if "time/weight_push" in h]
         return {"iterations": trainer.state.global_step, "seconds": round(clock.ends[-1] - start),
+                "weight push s": sum(pushes) / max(len(pushes), 1),
                 "curve": [(round(clock.ends[h["step"] - 1] - start) if h["step"] else 0, round(h["eval_success_rate"], 2))
                           for h in history if "eval_success_rate" in h]}
     trainer.train()
@@ -166,6 +171,8 @@ def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
     waited = sum(h["time/rollout_wait"] if ahead else h["time/rollout"] for h in logs)
     return {"iterations/s": len(logs) / wall, "steps/s": sum(h["steps/collected"] for h in logs) / wall,
             "trainer idle": waited / wall, "server busy": sum(h["time/rollout"] for h in logs) / wall,
+            "rollout s": sum(h["time/rollout"] for h in logs) / len(logs),
+            "weight push s": sum(h.get("time/weight_push", 0.0) for h in logs) / len(logs),
             "staleness mean": [round(h.get("async/staleness/mean", 0.0), 2) for h in logs],
             "staleness max": [h.get("async/staleness/max", 0.0) for h in logs],
             "success": [round(h["env/success_rate"], 2) for h in logs]}
@@ -178,6 +185,8 @@ def main() -> None:
     parser.add_argument("--max_staleness", type=int, default=1)
     parser.add_argument("--server_cores", default="1")
     parser.add_argument("--trainer_cores", default="0")
+    parser.add_argument("--server_dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the server's precision (the trainer's is float32; bfloat16 where the CPU has its units)")
     parser.add_argument("--learn", type=float, default=0.0, help="seconds of training per mode: the learning curves")
     options = parser.parse_args()
     trainer_cores = parse_cores(options.trainer_cores)
@@ -187,23 +196,26 @@ def main() -> None:
             model = warm_real_model(options.model, folder) if options.learn else pretrained_or_same(options.model)
         else:
             model = tiny_model(folder, bool(options.learn))
-        server, url = serve(model, options.server_cores, folder)
+        server, url = serve(model, options.server_cores, options.server_dtype, folder)
+        print(f"model {options.model or 'tiny keydoor'}; server on cores {options.server_cores}, trainer on "
+              f"{options.trainer_cores}; server in {options.server_dtype}; max_staleness {options.max_staleness}; " + (
+                  f"the {'smollm2_keydoor' if options.model else 'quickstart'} recipe for {options.learn:g} s a mode "
+                  "(validation success against seconds)"
+                  if options.learn else f"{options.iterations} iterations of 4 tasks x 8 (the first left out)"))
+        results = {}
         try:
             os.sched_setaffinity(0, trainer_cores)
             torch.set_num_threads(len(trainer_cores))
-            results = {name: run(model, url, folder, options, ahead) for name, ahead in (("sync", False),
-                                                                                      ("ahead", True))}
+            for name, ahead in (("sync", False), ("ahead", True)):
+                results[name] = run(model, url, folder, options, ahead)
+                print(f"{name:>6}: " + ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else
+                                                 f"{key} {value}" for key, value in results[name].items()), flush=True)
         finally:
-            server.terminate()
-            server.wait(timeout=60)
-    print(f"model {options.model or 'tiny keydoor'}; server on cores {options.server_cores}, trainer on "
-          f"{options.trainer_cores}; max_staleness {options.max_staleness}; " + (
-              f"the {'smollm2_keydoor' if options.model else 'quickstart'} recipe for {options.learn:g} s a mode "
-              "(validation success against seconds)"
-              if options.learn else f"{options.iterations} iterations of 4 tasks x 8 (the first left out)"))
-    for name, result in results.items():
-        print(f"{name:>6}: " + ", ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
-                                         for key, value in result.items()))
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # (seen once after a long run: the figures are printed already)
+                os.killpg(server.pid, signal.SIGKILL)
     if not options.learn:
         print(f"speed-up (iterations/s): {results['ahead']['iterations/s'] / results['sync']['iterations/s']:.2f}x")
 

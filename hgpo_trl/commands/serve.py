@@ -11,7 +11,7 @@ start on its CPU build, which reads its version under another distribution's nam
 - on a CPU, vLLM's development API and our worker extension, which loads the trainer's weights from a file
   (`hgpo_trl.rollout.vllm_cpu.WeightFileLoader`), every prompt prefilled whole (a seeded request fails a chunked
   prefill there: `cpu_engine_args`), and float32 unless `--dtype` says otherwise (a CPU trainer's precision;
-  `--dtype bfloat16` on a CPU with bfloat16 units, AMX, prefilled 3x faster here, its log-probabilities a rounding
+  `--dtype bfloat16` on a CPU with bfloat16 units: 3x float32's prefill on an AMX Xeon, its log-probabilities a rounding
   away from the trainer's, which the trainer's importance-sampling correction reweights: docs/results.md);
 - a model the project knows by name, or a .gguf file, as its converted folder (`hgpo_trl.models.pretrained`);
 - `--cores`: the CPU cores it runs on (a list as taskset reads it, "1" or "2-5,8"), so that the server and the
