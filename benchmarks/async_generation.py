@@ -4,6 +4,7 @@ tiny keydoor model (warm-started, built here) or a real model by name.
 
     .venv/vllm-cpu/bin/python benchmarks/async_generation.py [--model smollm2-135m-instruct] [--iterations 8]
         [--server_cores 1] [--trainer_cores 0] [--server_dtype float32] [--max_staleness 1] [--learn SECONDS]
+        [--tasks_per_device N] [--seed S]
 
 Per mode it prints the iterations and steps per second over the iterations after the first (its start-up, the
 first weight push, is left out), the trainer's idle fraction (waiting for a rollout: synchronously the whole
@@ -15,7 +16,9 @@ Both modes play the same tasks with the same request seeds; the server is starte
 With `--learn SECONDS`, the learning curves instead: each mode trains a config's recipe for SECONDS of wall time
 (configs/quickstart.yaml's on the tiny model; with --model, configs/smollm2_keydoor.yaml's, warm start included),
 greedy validation on the same 64 held-out tasks every 5 iterations (its time counted), and prints validation
-success against wall time.
+success against wall time, and the throughput figures above over the whole run (its validations included).
+`--tasks_per_device` changes the tasks an iteration plays (4, or the quickstart's 8), not the rows it trains: the
+lever that moves generation's share of an iteration; `--seed` the run's seed (the warm start's stays 0).
 (A real model by name is converted once by the project's venv: `.venv/bin/python -c "from hgpo_trl.models.pretrained
 import pretrained_folder; pretrained_folder('smollm2-135m-instruct')"`.)
 """
@@ -127,22 +130,26 @@ class WallBudget(TrainerCallback):
 def settings(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
     """The run's HGPOConfig fields: the throughput's iterations, or the quickstart's recipe (--learn)."""
     common = {"output_dir": str(folder / ("ahead" if ahead else "sync")), "report_to": "none", "use_cpu": True,
+              "seed": options.seed,
               "env_name": "keydoor", "action_mode": "plain", "logging_steps": 1, "save_strategy": "no",
               "use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "rollout_mode": "continuous",
               "async_generation": ahead, "max_staleness": options.max_staleness, "disable_tqdm": True}
     if not options.learn:
         return {**common, "env_kwargs": {"key_reward": 3.0}, "invalid_action": "noop", "max_env_steps": 6,
-                "max_completion_length": 8, "temperature": 1.5, "tasks_per_device": 4, "num_generations": 8,
+                "max_completion_length": 8, "temperature": 1.5, "tasks_per_device": options.tasks_per_device,
+                "num_generations": 8,
                 "per_device_train_batch_size": 16, "train_forced_steps": False, "learning_rate": 3e-5, "beta": 0.0,
                 "train_iterations": options.iterations}
     recipe = {"history_length": 2, "admissible_only": True, "invalid_action": "end_episode", "temperature": 1.5,
               "eval_temperature": 0.0, "estimator": "hgpo", "gamma": 0.95, "hierarchy_depth": 2,
               "lr_scheduler_type": "constant", "beta": 0.2, "train_iterations": 1000, "eval_strategy": "steps"}
     if options.model:  # configs/smollm2_keydoor.yaml's
-        return {**common, **recipe, "env_kwargs": {"key_reward": 3.0}, "tasks_per_device": 4, "num_generations": 8,
+        return {**common, **recipe, "env_kwargs": {"key_reward": 3.0}, "tasks_per_device": options.tasks_per_device,
+                "num_generations": 8,
                 "max_env_steps": 6, "max_completion_length": 8, "per_device_train_batch_size": 16,
                 "train_forced_steps": False, "learning_rate": 3e-5, "eval_steps": 5}
-    return {**common, **recipe, "env_kwargs": {"coin_reward": 0.0, "key_reward": 3.0}, "tasks_per_device": 8,
+    return {**common, **recipe, "env_kwargs": {"coin_reward": 0.0, "key_reward": 3.0},
+            "tasks_per_device": options.tasks_per_device,
             "num_generations": 8, "max_env_steps": 8, "max_completion_length": 6, "per_device_train_batch_size": 128,
             "learning_rate": 5e-4, "gradient_checkpointing": False, "eval_steps": 5}  # configs/quickstart.yaml's
 
@@ -154,29 +161,30 @@ def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
                           train_dataset=make_tasks("keydoor", "train", num_tasks=256, **TASK_KWARGS))
     clock = IterationClock()
     trainer.add_callback(clock)
+    curve = {}
     if options.learn:
         trainer.add_callback(WallBudget(options.learn))
         start = time.perf_counter()
         trainer.evaluate()  # (iteration 0, before the clock starts)
+        clock.ends.insert(0, start)  # (the figures below from the start: the first iteration and validations in)
         trainer.train()
-        history = trainer.state.log_history
-        pushes = [h["time/weight_push"] for h in history if "time/weight_push" in h]
-        return {"iterations": trainer.state.global_step, "seconds": round(clock.ends[-1] - start),
-                "weight push s": sum(pushes) / max(len(pushes), 1),
-                "curve": [(round(clock.ends[h["step"] - 1] - start) if h["step"] else 0, round(h["eval_success_rate"], 2))
-                          for h in history if "eval_success_rate" in h]}
-    trainer.train()
-    logs = [h for h in trainer.state.log_history if "env/success_rate" in h][1:]  # (after the first)
+        curve = {"curve": [(round(clock.ends[h["step"]] - start) if h["step"] else 0, round(h["eval_success_rate"], 2))
+                           for h in trainer.state.log_history if "eval_success_rate" in h]}
+    logs = [h for h in trainer.state.log_history if "env/success_rate" in h][0 if options.learn else 1:]
     wall = clock.ends[-1] - clock.ends[0]
     waited = sum(h["time/rollout_wait"] if ahead else h["time/rollout"] for h in logs)
-    return {"iterations/s": len(logs) / wall, "steps/s": sum(h["steps/collected"] for h in logs) / wall,
-            "trainer idle": waited / wall, "server busy": sum(h["time/rollout"] for h in logs) / wall,
-            "rollout s": sum(h["time/rollout"] for h in logs) / len(logs),
-            "weight push s": sum(h.get("time/weight_push", 0.0) for h in logs) / len(logs),
-            "staleness mean": [round(h.get("async/staleness/mean", 0.0), 2) for h in logs],
-            "staleness max": [h.get("async/staleness/max", 0.0) for h in logs],
-            "success": [round(h["env/success_rate"], 2) for h in logs]}
-
+    figures = {"iterations": len(logs), "seconds": round(wall), "iterations/s": len(logs) / wall,
+               "steps/s": sum(h["steps/collected"] for h in logs) / wall, "trainer idle": waited / wall,
+               "server busy": sum(h["time/rollout"] for h in logs) / wall,
+               "rollout s": sum(h["time/rollout"] for h in logs) / len(logs),
+               "weight push s": sum(h.get("time/weight_push", 0.0) for h in logs) / len(logs),
+               "staleness mean": [round(h.get("async/staleness/mean", 0.0), 2) for h in logs],
+               "staleness max": [h.get("async/staleness/max", 0.0) for h in logs]}
+    if options.learn:  # (per iteration, a long list: their means)
+        figures["staleness mean"] = round(sum(figures["staleness mean"]) / len(logs), 2)
+        figures["staleness max"] = max(figures["staleness max"])
+        return {**figures, **curve}
+    return {**figures, "success": [round(h["env/success_rate"], 2) for h in logs]}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -188,7 +196,10 @@ def main() -> None:
     parser.add_argument("--server_dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the server's precision (the trainer's is float32; bfloat16 where the CPU has its units)")
     parser.add_argument("--learn", type=float, default=0.0, help="seconds of training per mode: the learning curves")
+    parser.add_argument("--tasks_per_device", type=int, default=0, help="tasks an iteration plays (default: the recipe's, 4 or the quickstart's 8)")
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (HGPOConfig.seed)")
     options = parser.parse_args()
+    options.tasks_per_device = options.tasks_per_device or (8 if options.learn and not options.model else 4)
     trainer_cores = parse_cores(options.trainer_cores)
     with tempfile.TemporaryDirectory(prefix="hgpo-async-") as tmp:
         folder = Path(tmp)
@@ -201,7 +212,8 @@ def main() -> None:
               f"{options.trainer_cores}; server in {options.server_dtype}; max_staleness {options.max_staleness}; " + (
                   f"the {'smollm2_keydoor' if options.model else 'quickstart'} recipe for {options.learn:g} s a mode "
                   "(validation success against seconds)"
-                  if options.learn else f"{options.iterations} iterations of 4 tasks x 8 (the first left out)"))
+                  if options.learn else f"{options.iterations} iterations (the first left out)") +
+              f" of {options.tasks_per_device} tasks x 8, seed {options.seed}")
         results = {}
         try:
             os.sched_setaffinity(0, trainer_cores)
@@ -216,8 +228,8 @@ def main() -> None:
                 server.wait(timeout=60)
             except subprocess.TimeoutExpired:  # (seen once after a long run: the figures are printed already)
                 os.killpg(server.pid, signal.SIGKILL)
-    if not options.learn:
-        print(f"speed-up (iterations/s): {results['ahead']['iterations/s'] / results['sync']['iterations/s']:.2f}x")
+    print(f"speed-up (steps/s): {results['ahead']['steps/s'] / results['sync']['steps/s']:.2f}x, "
+          f"(iterations/s): {results['ahead']['iterations/s'] / results['sync']['iterations/s']:.2f}x")
 
 
 if __name__ == "__main__":

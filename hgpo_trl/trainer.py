@@ -118,6 +118,7 @@ class HGPOTrainer(GRPOTrainer):
                              if self.is_deepspeed_enabled else None, fsdp=self.is_fsdp_enabled)
         self.early_stop, self.signal_stop = EarlyStop(self), StopOnSignal(self)
         self._ahead = None  # async_generation: the rollouts played beside training (RolloutsAhead)
+        self._ratio_inputs = None  # a loss's inputs awaiting vLLM's correction from its forward (compute_loss)
         for callback in (IterationCadence(self), self.early_stop, self.signal_stop):  # (a signal's stop comes last:
             self.add_callback(callback)                                              # it skips the evaluation)
         set_up_reporting(self)
@@ -229,6 +230,7 @@ class HGPOTrainer(GRPOTrainer):
         """TRL's loss, checked before its backward: under DeepSpeed the optimizer steps inside the backward of a
         window's last micro-batch, so a check after it would come too late. Every process takes the same
         decision, so none is left waiting in a collective."""
+        self._ratio_inputs = loss_inputs.awaiting_ratio(self, inputs)  # (vLLM's correction: from the loss's forward)
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.model.training and "step_rows" in inputs:
             self._trained.count(inputs["step_rows"])
@@ -291,13 +293,7 @@ class HGPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         with loss_inputs.completion_positions_only():
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-
-    def _logprob_inputs(self, samples: dict[str, torch.Tensor], completions: list[Completion], old: bool) -> dict:
-        inputs, sampling = loss_inputs.logprob_inputs(self, samples, completions, old)
-        if sampling is not None:
-            self._log_gathered("train", sampling)
-        return inputs
+            return loss_inputs.with_loss_ratio(self, super()._get_per_token_logps_and_entropies(*args, **kwargs))
 
     def _dump(self, name: str, records: list[dict]) -> None:  # (read by hgpo_trl.evaluation.trajectories)
         write_records(dump_path(self.args.output_dir, name, self.accelerator), records)

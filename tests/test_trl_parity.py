@@ -4,12 +4,14 @@ for generation, and clear refusals where a TRL option cannot work here."""
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
 from hgpo_trl.envs import make_tasks
 from hgpo_trl.rollout.generation import prompt_budget
 from hgpo_trl.rollout.lockstep import Completion, StepRecord
+from hgpo_trl.training.loss_inputs import logprob_inputs
 from hgpo_trl.training.step_batches import sampling_metrics
 from tests.test_trainer import make_config, make_trainer
 
@@ -53,9 +55,58 @@ def test_vllm_sampling_logprobs_reach_the_loss_without_the_correction(tmp_path, 
     steps = steps_with_logprobs([[7, 8], [9]])
     completions = [s.completion for s in steps]
     samples = trainer._samples(completions, torch.zeros(2).numpy(), padding=1)
-    out = trainer._logprob_inputs(samples, completions, old=False)
+    out = logprob_inputs(trainer, samples, completions, old=False)
     assert out["sampling_per_token_logps"].shape == samples["completion_ids"].shape
     assert out["sampling_per_token_logps"][0].tolist() == [-0.5, -0.5] and "importance_sampling_ratio" not in out
+
+
+def test_vllms_correction_at_one_optimizer_step_a_generation_comes_from_the_losss_own_forward(
+        tmp_path, tiny_model, tiny_tokenizer):
+    """At one optimizer step per generation the old log-probabilities are the loss's own, detached: vLLM's
+    importance-sampling correction takes them from the loss's forward, not from a no-grad forward of their own
+    (TRL's, a third of the trainer's forwards at beta 0), with the same ratio, loss, gradients and sampling/*
+    metrics as that forward gives. (Before: the no-grad forward ran at every generation.)"""
+    trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path))
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    completions = [s.completion for s in steps_with_logprobs([[7, 8], [9]])]
+    samples = trainer._samples(completions, np.array([1.0, -1.0]), padding=1)
+    samples["num_items_in_batch"] = samples["completion_mask"].sum()
+    forwards = []
+    compute = trainer._get_per_token_logps_and_entropies
+
+    def counted(*args, **kwargs):
+        forwards.append(torch.is_grad_enabled())
+        return compute(*args, **kwargs)
+
+    trainer._get_per_token_logps_and_entropies = counted
+    with torch.no_grad():
+        deferred = {**samples, **logprob_inputs(trainer, samples, completions, old=False)}
+        assert forwards == [] and "importance_sampling_ratio" not in deferred
+        prepared = {**samples, **logprob_inputs(trainer, samples, completions, old=True)}
+    assert forwards == [False]
+    results = []
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # (the Trainer's training loop sets it)
+    for inputs in (prepared, deferred):
+        trainer.model.zero_grad()
+        trainer._metrics["train"].clear()
+        loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None],
+                        {k: v for k, v in trainer._metrics["train"].items() if k.startswith("sampling/")}))
+    assert forwards == [False, True, True]  # one forward each: the loss's
+    torch.testing.assert_close(deferred["importance_sampling_ratio"], prepared["importance_sampling_ratio"])
+    assert not torch.equal(prepared["importance_sampling_ratio"], torch.ones_like(prepared["importance_sampling_ratio"]))
+    (loss, grads, _), (deferred_loss, deferred_grads, metrics) = results
+    torch.testing.assert_close(deferred_loss, loss)
+    assert len(grads) == len(deferred_grads) > 0
+    for grad, deferred_grad in zip(grads, deferred_grads, strict=True):
+        torch.testing.assert_close(deferred_grad, grad)
+    expected = sampling_metrics(prepared["old_per_token_logps"], prepared["sampling_per_token_logps"],
+                                prepared["importance_sampling_ratio"], samples["completion_mask"])
+    assert set(metrics) == set(expected)
+    for key, value in expected.items():
+        assert metrics[key] == [pytest.approx(value, rel=1e-5)], key
 
 
 def test_the_log_probability_passes_run_without_gradient_checkpointing(tmp_path, tiny_model, tiny_tokenizer):

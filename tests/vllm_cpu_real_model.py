@@ -26,6 +26,7 @@ from hgpo_trl.models.pretrained import pretrained_folder
 from hgpo_trl.rollout.generation import ModelPolicy, generate_completions, trainer_generator
 from hgpo_trl.rollout.lockstep import run_rollout
 from hgpo_trl.trainer import HGPOTrainer
+from hgpo_trl.training.loss_inputs import logprob_inputs
 
 GAME = {"env_name": "keydoor", "action_mode": "plain", "max_env_steps": 1, "history_length": 2,
         "max_completion_length": 8, "invalid_action": "noop", "vllm_max_model_length": 1024, "report_to": "none",
@@ -82,7 +83,7 @@ def first_step(trainer: HGPOTrainer) -> dict:
     samples = trainer._samples(completions, np.ones(len(completions)), 0)
     mask = samples["completion_mask"].bool()
     with torch.no_grad():
-        inputs = trainer._logprob_inputs(samples, completions, old=True)
+        inputs = logprob_inputs(trainer, samples, completions, old=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             bf16, _, _ = trainer._get_per_token_logps_and_entropies(
                 trainer.model, torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1),

@@ -41,7 +41,7 @@ def budget_inputs(trainer, rollout: Rollout, advantages: np.ndarray) -> tuple[di
     output = trainer._samples([s.completion for s in steps], advantages[selected], padding)
     output["num_items_in_batch"] = trainer.accelerator.gather(output["completion_mask"].sum()).sum()
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
-        output.update(trainer._logprob_inputs(output, [s.completion for s in steps],
+        output.update(logprob_inputs(trainer, output, [s.completion for s in steps],
                                               old=args.gradient_accumulation_steps % per_generation != 0))
     samples = SampleCounts(kept=len(selected), padded_fraction=padding / budget,
                            optimizer_steps=per_generation // args.gradient_accumulation_steps)
@@ -79,11 +79,11 @@ def all_steps_inputs(trainer, rows: TrainingRows, plan: list[np.ndarray], window
     tokens = torch.stack([sum(m["completion_mask"].sum() for m in micro_batches[w * accumulation:(w + 1) * accumulation])
                           for w in range(windows)]).float()
     tokens = trainer.accelerator.reduce(tokens, reduction="sum") * args.steps_per_generation / accumulation
-    old = windows * trainer.num_iterations > 1 or (trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    old = windows * trainer.num_iterations > 1
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
         for k, (micro_batch, chunk) in enumerate(zip(micro_batches, chunks, strict=True)):
             micro_batch["num_items_in_batch"] = tokens[k // accumulation]
-            micro_batch.update(trainer._logprob_inputs(micro_batch, chunk, old=old))
+            micro_batch.update(logprob_inputs(trainer, micro_batch, chunk, old=old))
     return micro_batches * trainer.num_iterations
 
 
@@ -99,11 +99,15 @@ def training_rows(trainer, rollout: Rollout, advantages: np.ndarray) -> Training
 
 
 def logprob_inputs(trainer, samples: dict[str, torch.Tensor], completions: list[Completion],
-                   old: bool) -> tuple[dict[str, torch.Tensor], dict[str, float] | None]:
-    """The log-probability inputs of `samples` (whose real rows are `completions`; the rest padding) and, under vLLM's
-    importance-sampling correction, TRL's `sampling/*` metrics of the batch (else None). `old`: the loss needs
-    the old log-probabilities (more than one optimizer step per generation). Call under no_grad, with gradient
-    checkpointing off."""
+                   old: bool) -> dict[str, torch.Tensor]:
+    """The log-probability inputs of `samples` (whose real rows are `completions`; the rest padding). `old`: the
+    loss needs the old log-probabilities (more than one optimizer step per generation); with them, under vLLM's
+    importance-sampling correction, its ratio and TRL's `sampling/*` metrics (logged). Call under no_grad, with
+    gradient checkpointing off.
+
+    At one optimizer step per generation the old log-probabilities are the loss's own, detached (TRL's loss takes
+    them so), and so are the correction's: TRL runs a no-grad forward for them all the same (about a fifth of a
+    CPU trainer's iteration); here the loss's own forward gives them (`with_loss_ratio`), the same ratio."""
     out: dict[str, torch.Tensor] = {}
     input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)
     attention_mask = torch.cat([samples["prompt_mask"], samples["completion_mask"]], dim=1)
@@ -114,8 +118,7 @@ def logprob_inputs(trainer, samples: dict[str, torch.Tensor], completions: list[
             model, input_ids, attention_mask, width, batch_size=trainer.args.per_device_train_batch_size)
         return logps
 
-    is_correction = trainer.use_vllm and trainer.vllm_importance_sampling_correction
-    if old or is_correction:
+    if old:
         out["old_per_token_logps"] = per_token_logps(trainer.model)
     if trainer.beta != 0.0:
         if trainer.ref_model is not None:
@@ -130,15 +133,42 @@ def logprob_inputs(trainer, samples: dict[str, torch.Tensor], completions: list[
         sampled = [torch.tensor([float("nan") if x is None else x for x in c.logprobs]) for c in completions]
         sampled += [torch.zeros(1)] * (input_ids.size(0) - len(completions))
         out["sampling_per_token_logps"] = pad(sampled, padding_value=0.0, padding_side="right").to(input_ids.device)
-    if not is_correction:
-        return out, None
-    sampling = out.get("sampling_per_token_logps", out["old_per_token_logps"])  # (padding alone: no vLLM rows)
-    out["importance_sampling_ratio"] = importance_sampling_ratio(
-        out["old_per_token_logps"], sampling, samples["completion_mask"], trainer.vllm_importance_sampling_mode,
-        trainer.vllm_importance_sampling_clip_min, trainer.vllm_importance_sampling_clip_max)
-    out["sampling_per_token_logps"] = sampling
-    return out, sampling_metrics(out["old_per_token_logps"], sampling, out["importance_sampling_ratio"],
-                                 samples["completion_mask"])
+    if old and importance_corrected(trainer):
+        add_importance_ratio(trainer, out, out["old_per_token_logps"], samples["completion_mask"])
+    return out
+
+
+def importance_corrected(trainer) -> bool:
+    """Whether the loss reweights by vLLM's importance-sampling correction."""
+    return trainer.use_vllm and trainer.vllm_importance_sampling_correction
+
+
+def add_importance_ratio(trainer, inputs: dict[str, torch.Tensor], old: torch.Tensor, mask: torch.Tensor) -> None:
+    """vLLM's importance-sampling correction of a batch whose old log-probabilities are `old`, put in `inputs` (its
+    ratio, and `old` as the sampling log-probabilities of a batch of padding alone, without vLLM's), and TRL's
+    `sampling/*` metrics of it logged."""
+    sampling = inputs.get("sampling_per_token_logps", old)
+    inputs["importance_sampling_ratio"] = importance_sampling_ratio(
+        old, sampling, mask, trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min,
+        trainer.vllm_importance_sampling_clip_max)
+    inputs["sampling_per_token_logps"] = sampling
+    trainer._log_gathered("train", sampling_metrics(old, sampling, inputs["importance_sampling_ratio"], mask))
+
+
+def awaiting_ratio(trainer, inputs: dict) -> dict | None:
+    """The loss's `inputs` where vLLM's correction is on and their ratio was not taken before (`logprob_inputs`):
+    the loss's forward gives it (`with_loss_ratio`); else None."""
+    return inputs if importance_corrected(trainer) and "importance_sampling_ratio" not in inputs else None
+
+
+def with_loss_ratio(trainer, forward: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """`forward` (the trainer's `_get_per_token_logps_and_entropies` outputs) as it is; if it is the loss's that
+    `awaiting_ratio` marked (the first forward of that loss: TRL reads the ratio after it), the ratio from its
+    log-probabilities, detached, put in the loss's inputs."""
+    if trainer._ratio_inputs is not None:
+        inputs, trainer._ratio_inputs = trainer._ratio_inputs, None
+        add_importance_ratio(trainer, inputs, forward[0].detach(), inputs["completion_mask"])
+    return forward
 
 
 @contextmanager
