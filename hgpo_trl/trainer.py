@@ -230,8 +230,8 @@ class HGPOTrainer(GRPOTrainer):
         """TRL's loss, checked before its backward: under DeepSpeed the optimizer steps inside the backward of a
         window's last micro-batch, so a check after it would come too late. Every process takes the same
         decision, so none is left waiting in a collective."""
-        self._ratio_inputs = loss_inputs.awaiting_ratio(self, inputs)  # (vLLM's correction: from the loss's forward)
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        with loss_inputs.ratio_from_loss_forward(self, inputs):  # (vLLM's correction, where no old forward gave it)
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self.model.training and "step_rows" in inputs:
             self._trained.count(inputs["step_rows"])
         if self.model.training and any_process(self.accelerator, not torch.isfinite(loss).all()):

@@ -64,8 +64,9 @@ def test_vllms_correction_at_one_optimizer_step_a_generation_comes_from_the_loss
         tmp_path, tiny_model, tiny_tokenizer):
     """At one optimizer step per generation the old log-probabilities are the loss's own, detached: vLLM's
     importance-sampling correction takes them from the loss's forward, not from a no-grad forward of their own
-    (TRL's, a third of the trainer's forwards at beta 0), with the same ratio, loss, gradients and sampling/*
-    metrics as that forward gives. (Before: the no-grad forward ran at every generation.)"""
+    (TRL's: one more forward per generation), with the same ratio, loss, gradients and sampling/* metrics as that
+    forward gives; a failed loss leaves no forward after it marked. (Before: the no-grad forward ran at every
+    generation.)"""
     trainer = make_trainer(tiny_model, tiny_tokenizer, make_config(tmp_path))
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     completions = [s.completion for s in steps_with_logprobs([[7, 8], [9]])]
@@ -94,7 +95,10 @@ def test_vllms_correction_at_one_optimizer_step_a_generation_comes_from_the_loss
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None],
                         {k: v for k, v in trainer._metrics["train"].items() if k.startswith("sampling/")}))
-    assert forwards == [False, True, True]  # one forward each: the loss's
+    assert forwards == [False, True, True] and trainer._ratio_inputs is None  # one forward each: the loss's
+    with pytest.raises(KeyError):
+        trainer.compute_loss(trainer.model, {key: value for key, value in samples.items() if key != "completion_mask"})
+    assert trainer._ratio_inputs is None
     torch.testing.assert_close(deferred["importance_sampling_ratio"], prepared["importance_sampling_ratio"])
     assert not torch.equal(prepared["importance_sampling_ratio"], torch.ones_like(prepared["importance_sampling_ratio"]))
     (loss, grads, _), (deferred_loss, deferred_grads, metrics) = results

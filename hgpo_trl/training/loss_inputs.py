@@ -155,15 +155,21 @@ def add_importance_ratio(trainer, inputs: dict[str, torch.Tensor], old: torch.Te
     trainer._log_gathered("train", sampling_metrics(old, sampling, inputs["importance_sampling_ratio"], mask))
 
 
-def awaiting_ratio(trainer, inputs: dict) -> dict | None:
-    """The loss's `inputs` where vLLM's correction is on and their ratio was not taken before (`logprob_inputs`):
-    the loss's forward gives it (`with_loss_ratio`); else None."""
-    return inputs if importance_corrected(trainer) and "importance_sampling_ratio" not in inputs else None
+@contextmanager
+def ratio_from_loss_forward(trainer, inputs: dict) -> Iterator[None]:
+    """Around a loss on `inputs`: where vLLM's correction is on and they hold no ratio yet (`logprob_inputs` took no
+    old log-probabilities), the loss's forward gives it (`with_loss_ratio`); after the loss, whatever ended it, no
+    other forward does."""
+    trainer._ratio_inputs = inputs if importance_corrected(trainer) and "importance_sampling_ratio" not in inputs else None
+    try:
+        yield
+    finally:
+        trainer._ratio_inputs = None
 
 
 def with_loss_ratio(trainer, forward: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """`forward` (the trainer's `_get_per_token_logps_and_entropies` outputs) as it is; if it is the loss's that
-    `awaiting_ratio` marked (the first forward of that loss: TRL reads the ratio after it), the ratio from its
+    """`forward` (the trainer's `_get_per_token_logps_and_entropies` outputs) as it is; if it is the first forward
+    of a loss that `ratio_from_loss_forward` marked (TRL's loss reads the ratio after it), the ratio from its
     log-probabilities, detached, put in the loss's inputs."""
     if trainer._ratio_inputs is not None:
         inputs, trainer._ratio_inputs = trainer._ratio_inputs, None
