@@ -130,28 +130,23 @@ class WallBudget(TrainerCallback):
 def settings(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
     """The run's HGPOConfig fields: the throughput's iterations, or the quickstart's recipe (--learn)."""
     common = {"output_dir": str(folder / ("ahead" if ahead else "sync")), "report_to": "none", "use_cpu": True,
-              "seed": options.seed,
-              "env_name": "keydoor", "action_mode": "plain", "logging_steps": 1, "save_strategy": "no",
-              "use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url, "rollout_mode": "continuous",
-              "async_generation": ahead, "max_staleness": options.max_staleness, "disable_tqdm": True}
+              "seed": options.seed, "env_name": "keydoor", "action_mode": "plain", "logging_steps": 1,
+              "save_strategy": "no", "use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": url,
+              "rollout_mode": "continuous", "async_generation": ahead, "max_staleness": options.max_staleness,
+              "disable_tqdm": True, "tasks_per_device": options.tasks_per_device, "num_generations": 8}
     if not options.learn:
         return {**common, "env_kwargs": {"key_reward": 3.0}, "invalid_action": "noop", "max_env_steps": 6,
-                "max_completion_length": 8, "temperature": 1.5, "tasks_per_device": options.tasks_per_device,
-                "num_generations": 8,
-                "per_device_train_batch_size": 16, "train_forced_steps": False, "learning_rate": 3e-5, "beta": 0.0,
-                "train_iterations": options.iterations}
+                "max_completion_length": 8, "temperature": 1.5, "per_device_train_batch_size": 16,
+                "train_forced_steps": False, "learning_rate": 3e-5, "beta": 0.0, "train_iterations": options.iterations}
     recipe = {"history_length": 2, "admissible_only": True, "invalid_action": "end_episode", "temperature": 1.5,
               "eval_temperature": 0.0, "estimator": "hgpo", "gamma": 0.95, "hierarchy_depth": 2,
               "lr_scheduler_type": "constant", "beta": 0.2, "train_iterations": 1000, "eval_strategy": "steps"}
     if options.model:  # configs/smollm2_keydoor.yaml's
-        return {**common, **recipe, "env_kwargs": {"key_reward": 3.0}, "tasks_per_device": options.tasks_per_device,
-                "num_generations": 8,
-                "max_env_steps": 6, "max_completion_length": 8, "per_device_train_batch_size": 16,
-                "train_forced_steps": False, "learning_rate": 3e-5, "eval_steps": 5}
-    return {**common, **recipe, "env_kwargs": {"coin_reward": 0.0, "key_reward": 3.0},
-            "tasks_per_device": options.tasks_per_device,
-            "num_generations": 8, "max_env_steps": 8, "max_completion_length": 6, "per_device_train_batch_size": 128,
-            "learning_rate": 5e-4, "gradient_checkpointing": False, "eval_steps": 5}  # configs/quickstart.yaml's
+        return {**common, **recipe, "env_kwargs": {"key_reward": 3.0}, "max_env_steps": 6, "max_completion_length": 8,
+                "per_device_train_batch_size": 16, "train_forced_steps": False, "learning_rate": 3e-5, "eval_steps": 5}
+    return {**common, **recipe, "env_kwargs": {"coin_reward": 0.0, "key_reward": 3.0}, "max_env_steps": 8,
+            "max_completion_length": 6, "per_device_train_batch_size": 128, "learning_rate": 5e-4,
+            "gradient_checkpointing": False, "eval_steps": 5}  # configs/quickstart.yaml's
 
 
 def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
@@ -186,6 +181,7 @@ def run(model: str, url: str, folder: Path, options, ahead: bool) -> dict:
         return {**figures, **curve}
     return {**figures, "success": [round(h["env/success_rate"], 2) for h in logs]}
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a model folder or a name the project knows (default: tiny)")
@@ -196,7 +192,8 @@ def main() -> None:
     parser.add_argument("--server_dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the server's precision (the trainer's is float32; bfloat16 where the CPU has its units)")
     parser.add_argument("--learn", type=float, default=0.0, help="seconds of training per mode: the learning curves")
-    parser.add_argument("--tasks_per_device", type=int, default=0, help="tasks an iteration plays (default: the recipe's, 4 or the quickstart's 8)")
+    parser.add_argument("--tasks_per_device", type=int, default=0,
+                        help="tasks an iteration plays (default: the recipe's, 4 or the quickstart's 8)")
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (HGPOConfig.seed)")
     options = parser.parse_args()
     options.tasks_per_device = options.tasks_per_device or (8 if options.learn and not options.model else 4)

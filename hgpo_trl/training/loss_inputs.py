@@ -42,7 +42,7 @@ def budget_inputs(trainer, rollout: Rollout, advantages: np.ndarray) -> tuple[di
     output["num_items_in_batch"] = trainer.accelerator.gather(output["completion_mask"].sum()).sum()
     with torch.no_grad(), disable_gradient_checkpointing(trainer.model, args.gradient_checkpointing_kwargs):
         output.update(logprob_inputs(trainer, output, [s.completion for s in steps],
-                                              old=args.gradient_accumulation_steps % per_generation != 0))
+                                     old=args.gradient_accumulation_steps % per_generation != 0))
     samples = SampleCounts(kept=len(selected), padded_fraction=padding / budget,
                            optimizer_steps=per_generation // args.gradient_accumulation_steps)
     return output, selected, samples
