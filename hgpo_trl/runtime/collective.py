@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import atexit
 import sys
+import time
+from pathlib import Path
 
 import torch
+
+GLOO_WORKER = "pt_gloo_runloop"  # (torch names its gloo worker threads so)
 
 
 def any_process(accelerator, flag: bool) -> bool:
@@ -38,14 +42,46 @@ def elementwise_process_sum(accelerator, values: list[float]) -> list[float]:
 
 
 def leave_at_exit() -> None:
-    """Destroy this process's gloo process groups when it exits, before the interpreter's teardown (once per
-    process, however many trainers it builds). Left to the teardown, a gloo worker thread that still held a
-    collective's tensors freed them there, reached for the GIL and was ended by Python mid-unwind: std::terminate,
-    "terminate called without an active exception", SIGABRT, and the launcher then killed the other ranks (a ZeRO-2
-    run stopped by a signal failed its launch). `destroy_process_group` waits for that work first. NCCL is left
-    as it was (its teardown has its own rules, and is not seen here)."""
-    atexit.unregister(_destroy_gloo_groups)
-    atexit.register(_destroy_gloo_groups)
+    """End this process's gloo process groups when it exits, before the interpreter's teardown (once per process,
+    however many trainers it builds): destroy them, then let their worker threads finish. A gloo worker that has
+    completed a collective still drops its own reference to it, and where that reference is the last (its caller's
+    is gone) it frees the collective's tensors, whose Python objects need the GIL. Asked for during the teardown,
+    the GIL ends the thread (pthread_exit), the unwind meets a noexcept destructor: std::terminate, "terminate called
+    without an active exception", SIGABRT, and the launcher then kills the other ranks: a finished run fails its
+    launch. `destroy_process_group` does not join those workers (a DDP model keeps the group alive), so they get
+    the GIL here, before the teardown. NCCL is left as it was (its teardown has its own rules, not seen here)."""
+    atexit.unregister(_leave)
+    atexit.register(_leave)
+
+
+def _leave() -> None:
+    _destroy_gloo_groups()
+    _let_gloo_workers_finish()
+
+
+def _let_gloo_workers_finish(limit_s: float = 2.0) -> None:
+    """Sleep (the GIL free) until none of this process's gloo worker threads runs, at most `limit_s`: a worker
+    waiting for the GIL takes it and runs, an idle one sleeps on its queue. Linux (/proc) only; a collective still
+    waiting for the other processes is not waited for."""
+    tasks = Path("/proc/self/task")
+    workers = [task for task in tasks.iterdir() if _read(task / "comm") == GLOO_WORKER] if tasks.is_dir() else []
+    deadline = time.monotonic() + limit_s
+    while workers and time.monotonic() < deadline:
+        time.sleep(0.01)
+        if not any(_running(task) for task in workers):
+            return
+
+
+def _running(task: Path) -> bool:
+    """Whether the thread /proc/self/task/<id> is running or runnable (its state, after its name in `stat`)."""
+    return _read(task / "stat").rpartition(")")[2].split()[:1] == ["R"]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:  # (a thread that has ended)
+        return ""
 
 
 def _destroy_gloo_groups() -> None:
