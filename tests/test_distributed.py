@@ -22,19 +22,24 @@ LAUNCHES = {
 }
 
 
-def launch(kind: str, out: Path, port: int, *options: str, script: Path = SCRIPT) -> list[dict]:
+def launch(kind: str, out: Path, port: int, *options: str) -> list[dict]:
+    """SCRIPT's run on 2 processes: what each wrote."""
+    run_launch(kind, port, SCRIPT, str(out), *options, out=out)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def run_launch(kind: str, port: int, script: Path, *arguments: str, out: Path | None = None) -> None:
+    """`accelerate launch` of `script` on 2 processes, which must succeed; what they printed goes to OUT/launch.out."""
     if kind.startswith("zero") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs the deepspeed extra")
     # (a process that aborts prints every thread's Python stack: PYTHONFAULTHANDLER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
            "DS_ACCELERATOR": "cpu", "MASTER_PORT": str(port), "PYTHONFAULTHANDLER": "1"}
-    command = [str(ACCELERATE), "launch", *LAUNCHES[kind], "--main_process_port", str(port), str(script), str(out), *options]
+    command = [str(ACCELERATE), "launch", *LAUNCHES[kind], "--main_process_port", str(port), str(script), *arguments]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    (out / "launch.out").write_text(result.stdout)  # (what both processes printed, for a test to read)
-    if script != SCRIPT:
-        return []
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    if out is not None:
+        (out / "launch.out").write_text(result.stdout)  # (what both processes printed, for a test to read)
 
 
 def test_each_launch_is_two_processes_under_the_setting_its_name_says():
@@ -210,12 +215,35 @@ def test_a_non_finite_loss_stops_every_process_before_deepspeed_steps(tmp_path, 
 
 
 @pytest.mark.slow
-def test_a_process_whose_gloo_worker_still_holds_a_collective_at_exit_leaves_cleanly(tmp_path, free_port):
-    """A finished run must not fail its launch at exit. tests/distributed/exit_mid_collective.py: process 0's gloo
-    worker finishes an all-reduce whose tensor it alone still holds while the main thread keeps the GIL, its process
-    group destroyed by hand but kept alive (as a DDP model keeps it), then the interpreter ends: the exit handler
-    that HGPOTrainer registers lets the worker take the GIL first. Without it process 0 aborted every time
-    ("terminate called without an active exception", SIGABRT); CI saw it by chance at the end of a balanced-steps
-    launch."""
-    launch("ddp", tmp_path, free_port, script=ROOT / "tests" / "distributed" / "exit_mid_collective.py")
-    assert sorted(path.name for path in tmp_path.glob("rank*")) == ["rank0", "rank1"]
+def test_a_process_whose_gloo_worker_still_holds_a_collective_at_exit_leaves_cleanly(free_port):
+    """A finished run must not fail its launch at exit (tests/distributed/exit_mid_collective.py): process 0's gloo
+    worker completes an all-reduce whose tensor it alone still holds while the main thread keeps the GIL, its process
+    group destroyed by hand but kept alive (as a DDP model keeps it), then the interpreter ends. The exit handler that
+    HGPOTrainer registers lets the worker take the GIL first; without it process 0 aborted (SIGABRT, 3 launches of
+    3), as CI saw by chance at the end of a balanced-steps launch."""
+    run_launch("ddp", free_port, ROOT / "tests" / "distributed" / "exit_mid_collective.py")
+
+
+def test_the_exit_handler_waits_for_gloo_workers_that_run_and_not_for_idle_ones(tmp_path):
+    """What the exit handler's wait reads, on this torch, in a process of its own with a gloo group of 1: its
+    worker threads by their name, a running thread seen running, and idle workers (the group destroyed) not
+    waited for beyond the quiet looks."""
+    probe = """
+import threading, time, torch
+from pathlib import Path
+from hgpo_trl.runtime import collective
+torch.distributed.init_process_group("gloo", init_method="file://%s", rank=0, world_size=1)
+kept = torch.distributed.group.WORLD
+torch.distributed.all_reduce(torch.ones(3))
+torch.distributed.destroy_process_group()
+tasks = [t for t in Path("/proc/self/task").iterdir() if collective._read(t / "comm") == collective._GLOO_WORKER_THREAD]
+assert len(tasks) >= 1, "no gloo worker thread found by its name"
+assert collective._running(Path("/proc/self/task", str(threading.get_native_id())))
+started = time.monotonic()
+collective._let_gloo_workers_finish()
+assert time.monotonic() - started < 1.0, time.monotonic() - started
+print("ok")
+""" % (tmp_path / "store")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert result.stdout.strip() == "ok", result.stderr[-3000:]

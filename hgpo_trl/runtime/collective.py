@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-GLOO_WORKER = "pt_gloo_runloop"  # (torch names its gloo worker threads so)
+# torch names its gloo worker threads so (15 characters: Linux cuts a thread's name there)
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"
 
 
 def any_process(accelerator, flag: bool) -> bool:
@@ -45,11 +46,11 @@ def leave_at_exit() -> None:
     """End this process's gloo process groups when it exits, before the interpreter's teardown (once per process,
     however many trainers it builds): destroy them, then let their worker threads finish. A gloo worker that has
     completed a collective still drops its own reference to it, and where that reference is the last (its caller's
-    is gone) it frees the collective's tensors, whose Python objects need the GIL. Asked for during the teardown,
-    the GIL ends the thread (pthread_exit), the unwind meets a noexcept destructor: std::terminate, "terminate called
-    without an active exception", SIGABRT, and the launcher then kills the other ranks: a finished run fails its
-    launch. `destroy_process_group` does not join those workers (a DDP model keeps the group alive), so they get
-    the GIL here, before the teardown. NCCL is left as it was (its teardown has its own rules, not seen here)."""
+    is gone) it frees the collective's tensors, whose Python objects need the GIL. A thread that asks for the GIL
+    once the teardown has begun is ended by Python (pthread_exit), and the unwind meets a noexcept destructor:
+    std::terminate ("terminate called without an active exception"), SIGABRT, and the launcher kills the other
+    ranks: a finished run fails its launch. `destroy_process_group` does not join those workers (a DDP model keeps
+    the group alive), so they get the GIL here. NCCL is left as it was (its teardown has its own rules)."""
     atexit.unregister(_leave)
     atexit.register(_leave)
 
@@ -59,17 +60,20 @@ def _leave() -> None:
     _let_gloo_workers_finish()
 
 
-def _let_gloo_workers_finish(limit_s: float = 2.0) -> None:
-    """Sleep (the GIL free) until none of this process's gloo worker threads runs, at most `limit_s`: a worker
-    waiting for the GIL takes it and runs, an idle one sleeps on its queue. Linux (/proc) only; a collective still
-    waiting for the other processes is not waited for."""
+def _let_gloo_workers_finish(limit_s: float = 2.0, quiet_samples: int = 3) -> None:
+    """Sleep (the GIL free) until none of this process's gloo worker threads has run for `quiet_samples` looks in
+    a row, 10 ms apart, at most `limit_s`. A worker waiting for the GIL sleeps on a futex as an idle one does, so
+    it is not seen waiting: each sleep hands it the GIL, and it is seen running until it is done. A collective
+    still waiting for the other processes is not waited for. Without /proc (not Linux), one 50 ms sleep."""
     tasks = Path("/proc/self/task")
-    workers = [task for task in tasks.iterdir() if _read(task / "comm") == GLOO_WORKER] if tasks.is_dir() else []
-    deadline = time.monotonic() + limit_s
-    while workers and time.monotonic() < deadline:
+    if not tasks.is_dir():
+        time.sleep(0.05)
+        return
+    workers = [task for task in tasks.iterdir() if _read(task / "comm") == _GLOO_WORKER_THREAD]
+    deadline, quiet = time.monotonic() + limit_s, 0
+    while workers and quiet < quiet_samples and time.monotonic() < deadline:
         time.sleep(0.01)
-        if not any(_running(task) for task in workers):
-            return
+        quiet = 0 if any(_running(task) for task in workers) else quiet + 1
 
 
 def _running(task: Path) -> bool:
