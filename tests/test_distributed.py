@@ -236,8 +236,7 @@ torch.distributed.init_process_group("gloo", init_method="file://%s", rank=0, wo
 kept = torch.distributed.group.WORLD
 torch.distributed.all_reduce(torch.ones(3))
 torch.distributed.destroy_process_group()
-tasks = [t for t in Path("/proc/self/task").iterdir() if collective._read(t / "comm") == collective._GLOO_WORKER_THREAD]
-assert len(tasks) >= 1, "no gloo worker thread found by its name"
+assert len(collective._gloo_worker_threads()) >= 1, "no gloo worker thread found by its name"
 assert collective._running(Path("/proc/self/task", str(threading.get_native_id())))
 started = time.monotonic()
 collective._let_gloo_workers_finish()

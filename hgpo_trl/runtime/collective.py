@@ -65,15 +65,20 @@ def _let_gloo_workers_finish(limit_s: float = 2.0, quiet_samples: int = 3) -> No
     a row, 10 ms apart, at most `limit_s`. A worker waiting for the GIL sleeps on a futex as an idle one does, so
     it is not seen waiting: each sleep hands it the GIL, and it is seen running until it is done. A collective
     still waiting for the other processes is not waited for. Without /proc (not Linux), one 50 ms sleep."""
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
+    workers = _gloo_worker_threads()
+    if workers is None:
         time.sleep(0.05)
         return
-    workers = [task for task in tasks.iterdir() if _read(task / "comm") == _GLOO_WORKER_THREAD]
     deadline, quiet = time.monotonic() + limit_s, 0
     while workers and quiet < quiet_samples and time.monotonic() < deadline:
         time.sleep(0.01)
         quiet = 0 if any(_running(task) for task in workers) else quiet + 1
+
+
+def _gloo_worker_threads() -> list[Path] | None:
+    """This process's gloo worker threads, each as its /proc/self/task/<id> folder; None without /proc (not Linux)."""
+    tasks = Path("/proc/self/task")
+    return [task for task in tasks.iterdir() if _read(task / "comm") == _GLOO_WORKER_THREAD] if tasks.is_dir() else None
 
 
 def _running(task: Path) -> bool:
